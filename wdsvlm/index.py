@@ -1,0 +1,102 @@
+"""The shard format's table of contents: ``index.json``, and the names it gives things.
+
+See README.md ("Shard format") for the layout. The index is what makes exact splitting,
+``len()``, resume and planning possible without reading the data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import ShardFormatError
+from .storage import filesystem, join, read_bytes
+
+FORMAT = "wdsvlm"
+VERSION = 1
+INDEX_NAME = "index.json"
+SKIPPED_NAME = "skipped.jsonl"
+
+
+def shard_name(prefix: str, number: int) -> str:
+    return f"{prefix}-{number:06d}.tar"
+
+
+def sample_key(number: int) -> str:
+    """The tar key of the dataset's ``number``-th sample: digits only, so never a dot in it."""
+    return f"{number:09d}"
+
+
+def dumps_index(index: Mapping[str, Any]) -> bytes:
+    """Canonical bytes of an index: the same index always gives the same bytes."""
+    return (json.dumps(index, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+def load_index(source: str, storage_options: Mapping[str, Any] | None = None) -> dict:
+    """Read and check ``index.json`` of the dataset folder or URL prefix ``source``."""
+    url = join(source, INDEX_NAME)
+    try:
+        data = read_bytes(url, storage_options)
+    except FileNotFoundError:
+        raise ShardFormatError(
+            f"{url} not found: {source} is not a wdsvlm dataset (write one with `wdsvlm write`)"
+        ) from None
+    try:
+        index = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ShardFormatError(f"{url} is not valid JSON: {e}") from None
+    check_index(index, url)
+    return index
+
+
+def check_index(index: Any, where: str) -> None:
+    """Raise ``ShardFormatError`` naming ``where`` unless ``index`` has the version-1 layout."""
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise ShardFormatError(f'{where}: not a wdsvlm index (no "format": "{FORMAT}")')
+    if index.get("version") != VERSION:
+        raise ShardFormatError(
+            f"{where}: index version {index.get('version')!r}; this wdsvlm reads version "
+            f"{VERSION} (upgrade wdsvlm, or rewrite the dataset with this version)"
+        )
+    shards = index.get("shards")
+    if not isinstance(shards, list):
+        raise ShardFormatError(f"{where}: 'shards' must be a list")
+    for shard in shards:
+        missing = {"name", "samples", "bytes", "sha256", "entries"} - set(shard)
+        if missing:
+            raise ShardFormatError(
+                f"{where}: shard {shard.get('name', '?')} lacks {', '.join(sorted(missing))}"
+            )
+        if len(shard["entries"]) != shard["samples"]:
+            raise ShardFormatError(
+                f"{where}: shard {shard['name']} lists {len(shard['entries'])} entries "
+                f"but says it holds {shard['samples']} samples"
+            )
+
+
+def verify_dataset(source: str, storage_options: Mapping[str, Any] | None = None) -> dict:
+    """Check every shard's size and sha256 against the index; return the index.
+
+    Raises ``ShardFormatError`` naming the first shard that is missing or differs.
+    """
+    index = load_index(source, storage_options)
+    for shard in index["shards"]:
+        url = join(source, shard["name"])
+        fs, path = filesystem(url, storage_options)
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            with fs.open(path, "rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+                    size += len(block)
+        except FileNotFoundError:
+            raise ShardFormatError(f"{url}: shard listed in the index is missing") from None
+        if size != shard["bytes"] or digest.hexdigest() != shard["sha256"]:
+            raise ShardFormatError(
+                f"{url}: {size} bytes, sha256 {digest.hexdigest()[:12]}...; the index says "
+                f"{shard['bytes']} bytes, sha256 {shard['sha256'][:12]}... (changed or truncated)"
+            )
+    return index
