@@ -248,21 +248,28 @@ def sample_tar_bytes(sample: dict) -> int:
     )
 
 
+def shard_tar_bytes(members_bytes: int) -> int:
+    """Size of a tar file whose members take ``members_bytes``: plus the end-of-archive
+    blocks, padded to a whole record as tar files are."""
+    return -(-(members_bytes + _END_OF_ARCHIVE) // _RECORD) * _RECORD
+
+
 def plan_shards(
     samples: list[dict], samples_per_shard: int, max_shard_bytes: int
 ) -> list[tuple[int, int, list[dict]]]:
     """Cut samples into shards, in order: ``[(shard number, first sample number, samples)]``."""
     plans: list[tuple[int, int, list[dict]]] = []
     current: list[dict] = []
-    current_bytes = _END_OF_ARCHIVE
+    current_bytes = 0
     first = 0
     for number, sample in enumerate(samples):
         size = sample_tar_bytes(sample)
         if current and (
-            len(current) >= samples_per_shard or current_bytes + size > max_shard_bytes
+            len(current) >= samples_per_shard
+            or shard_tar_bytes(current_bytes + size) > max_shard_bytes
         ):
             plans.append((len(plans), first, current))
-            current, current_bytes, first = [], _END_OF_ARCHIVE, number
+            current, current_bytes, first = [], 0, number
         current.append(sample)
         current_bytes += size
     if current:

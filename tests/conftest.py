@@ -1,0 +1,176 @@
+"""Fixtures: small input datasets made on the spot, and real storage servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from PIL import Image, ImageDraw
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(REPO, "shards_example")
+
+
+def make_image(path: str, size: tuple[int, int], fmt: str, seed: int = 0, **save) -> str:
+    """A small picture with some structure (so JPEG and PNG differ from a flat fill)."""
+    img = Image.new("RGB", size, (30 + 7 * seed % 200, 90, 160))
+    draw = ImageDraw.Draw(img)
+    w, h = size
+    draw.ellipse([w // 5, h // 5, 3 * w // 4, 3 * h // 4], fill=(240, 200, 20))
+    draw.rectangle([0, 0, w // 6, h // 3], fill=(10, 160, 60))
+    img.save(path, format=fmt, **save)
+    return path
+
+
+def write_jsonl(path: str, records: list) -> str:
+    with open(path, "w") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path
+
+
+@pytest.fixture
+def llava_input(tmp_path):
+    """A LLaVA JSONL file of 12 records with every shape of sample the writer must handle.
+
+    Returns ``(input path, image root, records)``.
+    """
+    root = tmp_path / "images"
+    root.mkdir()
+    make_image(str(root / "a.jpg"), (320, 200), "JPEG", 1, quality=85)
+    make_image(str(root / "b.png"), (64, 256), "PNG", 2)
+    make_image(str(root / "c.jpg"), (500, 375), "JPEG", 3, quality=70)
+    make_image(str(root / "d.gif"), (90, 60), "GIF", 4)  # not kept as is: re-encoded to PNG
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 300x100, shown 100x300
+    make_image(str(root / "rotated.jpg"), (300, 100), "JPEG", 5, exif=exif)
+    os.makedirs(root / "sub")
+    make_image(str(root / "sub" / "e.webp"), (128, 128), "WEBP", 6)
+
+    def rec(i, conversations, image=None, **extra):
+        r = {"id": f"r{i}", "conversations": conversations, **extra}
+        if image is not None:
+            r["image"] = image
+        return r
+
+    def qa(q, a):
+        return [{"from": "human", "value": q}, {"from": "gpt", "value": a}]
+
+    records = [
+        rec(0, qa("<image>\nWhat is this?", "A yellow disc."), "a.jpg"),
+        rec(1, qa("Describe <image> please.", "A tall picture."), ["b.png"]),
+        rec(2, qa("What is 2+2?", "4.")),  # text only
+        rec(3, qa("<image>\n<image>\nCompare them.", "The first is wider."), ["a.jpg", "c.jpg"]),
+        rec(
+            4,
+            [{"from": "system", "value": "Be brief."}]
+            + qa("<image>\nColor?", "Yellow.")
+            + qa("And the corner?", "Green."),
+            "c.jpg",
+        ),
+        rec(5, qa("<image>\nAnimated?", "No."), "d.gif"),
+        rec(6, qa("<image>\nWhich way is up?", "The long side is vertical."), "rotated.jpg"),
+        rec(7, qa("Caption this.", "A disc on blue."), "sub/e.webp"),  # no marker: placed first
+        rec(8, qa("Say hi", "Hi! " * 200)),  # a long answer
+        rec(9, qa("<image>\nÜnïcödé?", "Ja, 日本語 too."), "b.png"),
+        rec(10, qa("<image>\nAgain?", "Again."), "a.jpg", source="custom_source"),
+        rec(11, qa("Last one", "Done.")),
+    ]
+    path = write_jsonl(str(tmp_path / "llava.jsonl"), records)
+    return path, str(root), records
+
+
+@pytest.fixture
+def cauldron_input(tmp_path):
+    root = tmp_path / "cimages"
+    root.mkdir()
+    make_image(str(root / "x.jpg"), (200, 100), "JPEG", 7)
+    make_image(str(root / "y.png"), (100, 200), "PNG", 8)
+    records = [
+        {
+            "images": ["x.jpg", "y.png"],
+            "texts": [
+                {"user": "How many?", "assistant": "Two.", "source": "vqa_set"},
+                {"user": "Sure?", "assistant": "Yes."},
+            ],
+        },
+        {"images": [], "texts": [{"user": "No image here.", "assistant": "Right."}]},
+        {"images": [{"path": "x.jpg"}], "texts": [{"user": "Q", "assistant": "A"}], "system": "S"},
+    ]
+    path = write_jsonl(str(tmp_path / "cauldron.jsonl"), records)
+    return path, str(root), records
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server for {url} exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except urllib.error.HTTPError:
+            return  # it answers: up
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"server at {url} did not come up in {timeout} s")
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """A real moto S3 server process on 127.0.0.1; yields its endpoint URL."""
+    exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
+    port = _free_port()
+    proc = subprocess.Popen(
+        [exe, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(endpoint, proc)
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_bucket(moto_server, monkeypatch):
+    """A new, empty bucket on the moto server; yields ``(s3 URL, storage_options)``."""
+    import s3fs
+
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    options = {"client_kwargs": {"endpoint_url": moto_server}}
+    fs = s3fs.S3FileSystem(**options)
+    bucket = f"bucket-{time.monotonic_ns()}"
+    fs.mkdir(bucket)
+    return f"s3://{bucket}", options
+
+
+def read_image_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def decode(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data))
