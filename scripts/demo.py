@@ -23,7 +23,7 @@ import time
 
 import webdataset as wds
 
-from wdsvlm import load_index, verify_dataset
+from wdsvlm import verify_dataset
 from wdsvlm.storage import filesystem, join
 
 
@@ -42,7 +42,9 @@ def main() -> None:
     started = time.perf_counter()
     index = verify_dataset(source)
     totals = index["totals"]
-    print(f"[1] {source}: {totals['shards']} shards, {totals['bytes'] / 1e6:.1f} MB, match index.json")
+    print(
+        f"[1] {source}: {totals['shards']} shards, {totals['bytes'] / 1e6:.1f} MB, match index.json"
+    )
 
     urls = [join(source, s["name"]) for s in index["shards"]]
     streamed = {}

@@ -50,7 +50,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wdsvlm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="wdsvlm",
+        description="wdsvlm: image/prompt/response data as WebDataset shards, for VLM training.",
+        epilog="Exit codes: 0 ok, 1 runtime error, 2 usage error.",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     write = commands.add_parser(
@@ -136,8 +140,8 @@ def _verify(args: argparse.Namespace) -> None:
     index = verify_dataset(args.source, args.storage_options)
     totals = index["totals"]
     print(
-        f"{args.source}: {totals['shards']} shards, {totals['samples']} samples, "
-        f"{totals['bytes']} bytes: every shard matches the index"
+        f"{args.source}: every shard matches the index "
+        f"(shards={totals['shards']} samples={totals['samples']} bytes={totals['bytes']})"
     )
 
 

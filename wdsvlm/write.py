@@ -108,15 +108,18 @@ class WriteSummary:
     def __str__(self) -> str:
         skipped = sum(self.skipped.values())
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items()))
-        return (
-            f"wrote {self.samples} samples ({self.images} images) in {self.shards} shards, "
-            f"{self.bytes / 1e6:.1f} MB, to {self.output} in {self.seconds:.1f} s; "
-            + (
-                f"skipped {skipped} bad records ({reasons}), see {SKIPPED_NAME}"
-                if skipped
-                else "skipped none"
-            )
+        line = (
+            f"wrote {_count(self.samples, 'sample')} ({_count(self.images, 'image')}) "
+            f"in {_count(self.shards, 'shard')}, {self.bytes / 1e6:.1f} MB, to {self.output} "
+            f"in {self.seconds:.1f} s; "
         )
+        if not skipped:
+            return line + "skipped none"
+        return line + f"skipped {_count(skipped, 'bad record')} ({reasons}), see {SKIPPED_NAME}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def write_dataset(

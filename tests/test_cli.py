@@ -1,0 +1,119 @@
+"""The wdsvlm command: exit codes 0 / 1 / 2, one-line errors, the summary line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from wdsvlm.cli import byte_size, main
+
+from .conftest import EXAMPLE, write_jsonl
+
+
+def test_write_prints_a_summary_and_exits_0(llava_input, tmp_path, capsys):
+    path, root, _ = llava_input
+    out = str(tmp_path / "ds")
+    code = main(
+        [
+            "write",
+            "--input",
+            path,
+            "--image-root",
+            root,
+            "--output",
+            out,
+            "-q",
+            "--samples-per-shard",
+            "5",
+            "--prefix",
+            "train",
+            "--workers",
+            "2",
+        ]
+    )
+    assert code == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("wrote 12 samples (10 images) in 3 shards")
+    assert f"to {out}" in line and "skipped none" in line
+    assert sorted(os.listdir(out))[0] == "index.json"
+    assert "train-000002.tar" in os.listdir(out)
+
+
+def test_bad_input_exits_1_with_the_record_named(tmp_path, capsys):
+    path = write_jsonl(
+        str(tmp_path / "in.jsonl"),
+        [
+            {
+                "id": "ok",
+                "conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}],
+            },
+            {
+                "id": "lost",
+                "image": "gone.jpg",
+                "conversations": [
+                    {"from": "human", "value": "<image>"},
+                    {"from": "gpt", "value": "A"},
+                ],
+            },
+        ],
+    )
+    out = str(tmp_path / "ds")
+    assert main(["write", "--input", path, "--output", out, "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "in.jsonl line 2 (id 'lost')" in err and "gone.jpg not found" in err
+    assert "Traceback" not in err
+    assert main(["write", "--input", path, "--output", out, "-q", "--skip-bad"]) == 0
+    assert "skipped 1 bad record (missing_image: 1)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["write", "--output", "x"], "--input"),
+        (["write", "--input", "missing.jsonl", "--output", "x"], "missing.jsonl not found"),
+        (["write", "--input", "a", "--output", "x", "--prefix", "a.b"], "prefix 'a.b'"),
+        (
+            ["write", "--input", "a", "--output", "x", "--max-shard-bytes", "lots"],
+            "not a byte size",
+        ),
+        (["write", "--input", "a", "--output", "x", "--storage-options", "[1]"], "JSON object"),
+    ],
+)
+def test_usage_errors_exit_2(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        code = main(argv)
+        raise SystemExit(code)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_byte_sizes_read_with_binary_units():
+    assert byte_size("1000") == 1000
+    assert byte_size("64MB") == 64 * 2**20
+    assert byte_size("1GiB") == 2**30
+    assert byte_size("1.5k") == 1536
+
+
+def test_console_script_verifies_the_example():
+    exe = os.path.join(os.path.dirname(sys.executable), "wdsvlm")
+    run = subprocess.run([exe, "verify", EXAMPLE], capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    assert "every shard matches the index" in run.stdout and "samples=320" in run.stdout
+
+
+def test_verify_names_a_changed_shard(tmp_path, capsys, llava_input):
+    path, root, _ = llava_input
+    out = str(tmp_path / "ds")
+    assert main(["write", "--input", path, "--image-root", root, "--output", out, "-q"]) == 0
+    shard = os.path.join(out, "data-000000.tar")
+    with open(shard, "r+b") as f:
+        f.seek(700)
+        f.write(b"X")
+    assert main(["verify", out]) == 1
+    assert "data-000000.tar" in capsys.readouterr().err
+    assert main(["verify", str(tmp_path / "nothing")]) == 1
+    assert "not a wdsvlm dataset" in capsys.readouterr().err
