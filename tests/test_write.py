@@ -260,9 +260,22 @@ def test_existing_dataset_is_kept_unless_overwrite(llava_input, cauldron_input, 
     with pytest.raises(DatasetExistsError, match="overwrite"):
         write_dataset(cpath, out, image_root=croot, progress=False)
     assert files_of(out) == before
+    with pytest.raises(BadInputError):  # bad new input: the old dataset stays whole
+        write_dataset(cpath, out, image_root=str(tmp_path), overwrite=True, progress=False)
+    assert files_of(out) == before
     write_dataset(cpath, out, image_root=croot, overwrite=True, progress=False)
     assert sorted(os.listdir(out)) == ["data-000000.tar", "index.json"]  # stale shards removed
     assert len(stream(out)) == 3
+
+
+def test_nothing_to_write_is_an_error_not_an_empty_dataset(tmp_path):
+    empty = write_jsonl(str(tmp_path / "empty.jsonl"), [])
+    with pytest.raises(ValueError, match="no records in .*empty.jsonl"):
+        write_dataset(empty, str(tmp_path / "ds"), progress=False)
+    bad = write_jsonl(str(tmp_path / "bad.jsonl"), ["{nope"])
+    with pytest.raises(BadInputError, match="1 of 1 input records are bad"):
+        write_dataset(bad, str(tmp_path / "ds"), skip_bad=True, progress=False)
+    assert not os.path.exists(tmp_path / "ds" / "index.json")
 
 
 def test_write_to_memory_url_matches_local(llava_input, tmp_path):

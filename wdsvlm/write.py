@@ -143,13 +143,12 @@ def write_dataset(
     if not inputs:
         raise ValueError("no input files given")
     index_url = join(output, INDEX_NAME)
-    if exists(index_url, storage_options):
-        if not opts.overwrite:
-            raise DatasetExistsError(
-                f"{output} already holds a dataset ({INDEX_NAME}); pass --overwrite / "
-                "overwrite=True to replace it"
-            )
-        remove(index_url, storage_options)  # no reader may pair the old index with new shards
+    replacing = exists(index_url, storage_options)
+    if replacing and not opts.overwrite:
+        raise DatasetExistsError(
+            f"{output} already holds a dataset ({INDEX_NAME}); pass --overwrite / "
+            "overwrite=True to replace it"
+        )
 
     records = (
         r for path in inputs for r in iter_records(path, format=opts.format, image_root=image_root)
@@ -159,8 +158,12 @@ def write_dataset(
         samples, bad = _split_bad(
             tqdm(checked, desc="checking", unit=" records", disable=not opts.progress)
         )
-        if bad and not opts.skip_bad:
+        if (bad and not opts.skip_bad) or (bad and not samples):
             raise BadInputError(bad, len(samples) + len(bad))
+        if not samples:
+            raise ValueError(f"no records in {', '.join(inputs)}: nothing to write")
+        if replacing:  # only now that the new data is good; no reader may pair old and new
+            remove(index_url, storage_options)
         plans = plan_shards(samples, opts.samples_per_shard, opts.max_shard_bytes)
         write = partial(
             write_shard, output=output, prefix=opts.prefix, storage_options=storage_options
