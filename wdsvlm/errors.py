@@ -53,3 +53,11 @@ class StorageError(WdsvlmError):
 
 class DatasetExistsError(WdsvlmError):
     """The writer's output already holds a dataset and overwriting was not asked for."""
+
+
+class TooManyFailuresError(WdsvlmError):
+    """So many samples failed in a row that the fault is systematic, not a few bad samples."""
+
+
+class TemplateError(WdsvlmError):
+    """A chat template does not render a conversation in a way the label mask can follow."""

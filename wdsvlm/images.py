@@ -1,17 +1,44 @@
-"""Images: what the writer needs to know of an image file, and (later) decode and tiling."""
+"""Images: what the writer needs to know of an image file, and decoding into uint8 tiles.
+
+Tiling is nanoVLM-style. The long side is scaled to at most ``max_image_side`` (up to it only
+with ``upscale``), the image is resized to the grid of ``ceil(w / tile) x ceil(h / tile)``
+whole tiles (stretching it by less than one tile) and cut into those tiles, row by row. When
+there is more than one tile, a global thumbnail of the whole image, resized to one tile, comes
+first. JPEGs are decoded at reduced size (PIL draft mode) whenever the grid is at most half
+the source, which is where most of the decode time goes on web-sized images.
+"""
 
 from __future__ import annotations
 
 import io
+import math
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+from .stats import SkipStats
 
 # Formats stored as their original bytes; anything else is re-encoded to PNG.
 KEPT_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 # EXIF orientations that turn the image by 90 or 270 degrees (width and height swap).
 _TRANSPOSED_ORIENTATIONS = {5, 6, 7, 8}
 _EXIF_ORIENTATION = 0x0112
+_WHITE = (255, 255, 255)
+# Image members of a sample: "0.jpg", "1.png", ...
+IMAGE_MEMBER = re.compile(r"(\d+)\.[A-Za-z0-9]+")
+# With reducing_gap, Pillow first shrinks by an integer factor (a fast box filter), then
+# resamples; at 3 the result is indistinguishable from resampling the full image.
+_REDUCING_GAP = 3.0
+_BAD_IMAGE = (
+    UnidentifiedImageError,
+    OSError,
+    SyntaxError,
+    ValueError,
+    Image.DecompressionBombError,
+)
 
 
 class UnreadableImage(ValueError):
@@ -28,6 +55,13 @@ class ImageInfo:
     reencoded: bool
 
 
+def _displayed_size(img: Image.Image) -> tuple[int, int]:
+    width, height = img.size
+    if img.getexif().get(_EXIF_ORIENTATION, 1) in _TRANSPOSED_ORIENTATIONS:
+        return height, width
+    return width, height
+
+
 def probe_image(data: bytes) -> ImageInfo:
     """Identify and fully decode ``data``; sizes are as displayed (EXIF orientation applied).
 
@@ -37,17 +71,23 @@ def probe_image(data: bytes) -> ImageInfo:
     try:
         with Image.open(io.BytesIO(data)) as img:
             fmt = img.format
-            width, height = img.size
-            orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
+            width, height = _displayed_size(img)
             if fmt == "JPEG":
-                img.draft(img.mode, (max(1, width // 8), max(1, height // 8)))
+                img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
             img.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+    except _BAD_IMAGE as e:
         raise UnreadableImage(str(e) or type(e).__name__) from e
-    if orientation in _TRANSPOSED_ORIENTATIONS:
-        width, height = height, width
     ext = KEPT_FORMATS.get(fmt or "")
     return ImageInfo(ext=ext or "png", width=width, height=height, reencoded=ext is None)
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """Displayed ``(width, height)`` from the header alone (no decode)."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return _displayed_size(img)
+    except _BAD_IMAGE as e:
+        raise UnreadableImage(str(e) or type(e).__name__) from e
 
 
 def stored_bytes(data: bytes, info: ImageInfo) -> bytes:
@@ -62,3 +102,148 @@ def stored_bytes(data: bytes, info: ImageInfo) -> bytes:
         out = io.BytesIO()
         img.save(out, format="PNG")
         return out.getvalue()
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """How images become tiles."""
+
+    tile_size: int = 512
+    """Side of a square tile, in pixels."""
+    max_image_side: int = 1024
+    """The long side is scaled down to this (never up, unless ``upscale``)."""
+    upscale: bool = False
+    """Scale smaller images up so that their long side is ``max_image_side``."""
+
+    def __post_init__(self):
+        if self.tile_size < 1 or self.max_image_side < 1:
+            raise ValueError(
+                f"tile_size ({self.tile_size}) and max_image_side ({self.max_image_side}) "
+                "must be positive"
+            )
+
+
+def tile_grid(width: int, height: int, config: ImageConfig) -> tuple[int, int]:
+    """``(columns, rows)`` of whole tiles for an image displayed at ``width x height``."""
+    long_side = max(width, height)
+    scale = config.max_image_side / long_side
+    if not config.upscale:
+        scale = min(1.0, scale)
+    w = max(1, round(width * scale))
+    h = max(1, round(height * scale))
+    return math.ceil(w / config.tile_size), math.ceil(h / config.tile_size)
+
+
+def tile_count(width: int, height: int, config: ImageConfig) -> int:
+    """Tiles of one image: the grid, plus the global thumbnail when the grid has several."""
+    cols, rows = tile_grid(width, height, config)
+    return cols * rows + (cols * rows > 1)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Any Pillow mode as RGB: alpha composited on white, 16-bit scaled to 8-bit."""
+    if img.mode == "RGB":
+        return img
+    if img.mode == "P":
+        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
+        if img.mode == "RGB":
+            return img
+    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        # 16-bit samples (PNG, TIFF): keep the top 8 bits. Pillow's own convert clips instead.
+        values = np.asarray(img, dtype=np.uint32) >> 8
+        return Image.fromarray(np.clip(values, 0, 255).astype(np.uint8), "L").convert("RGB")
+    if img.mode == "F":
+        return Image.fromarray(np.clip(np.asarray(img), 0, 255).astype(np.uint8), "L").convert(
+            "RGB"
+        )
+    if "A" in img.getbands() or img.mode in ("RGBa", "La", "PA"):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGB", rgba.size, _WHITE)
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        return background
+    return img.convert("RGB")
+
+
+def image_tiles(
+    data: bytes, config: ImageConfig, expected_size: tuple[int, int] | None = None
+) -> np.ndarray:
+    """Decode one image into uint8 tiles ``[n_tiles, 3, tile, tile]`` (thumbnail first).
+
+    ``expected_size`` is the displayed size the index recorded; an image of another size is
+    refused, since its tile count would not match the tokens already planned for it.
+    """
+    tile = config.tile_size
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = _displayed_size(img)
+            if expected_size is not None and (width, height) != tuple(expected_size):
+                raise UnreadableImage(
+                    f"decodes to {width}x{height}, the index says "
+                    f"{expected_size[0]}x{expected_size[1]}"
+                )
+            cols, rows = tile_grid(width, height, config)
+            target = (cols * tile, rows * tile)
+            stored_target = target if img.size == (width, height) else target[::-1]
+            if img.format == "JPEG":
+                img.draft("RGB", stored_target)  # only reduces when target <= half the source
+            img = to_rgb(ImageOps.exif_transpose(img))
+            grid = img.resize(target, Image.Resampling.BICUBIC, reducing_gap=_REDUCING_GAP)
+    except _BAD_IMAGE as e:
+        raise UnreadableImage(str(e) or type(e).__name__) from e
+    pixels = np.asarray(grid)  # [rows * tile, cols * tile, 3]
+    tiles = pixels.reshape(rows, tile, cols, tile, 3).transpose(0, 2, 4, 1, 3)
+    tiles = tiles.reshape(rows * cols, 3, tile, tile)
+    if rows * cols == 1:
+        return np.ascontiguousarray(tiles)
+    out = np.empty((rows * cols + 1, 3, tile, tile), dtype=np.uint8)
+    thumb = grid.resize((tile, tile), Image.Resampling.BICUBIC, reducing_gap=_REDUCING_GAP)
+    out[0] = np.asarray(thumb).transpose(2, 0, 1)
+    out[1:] = tiles
+    return out
+
+
+def image_members(sample: dict) -> list[str]:
+    """The sample's image member names, in image order."""
+    found = [(int(m.group(1)), k) for k in sample if (m := IMAGE_MEMBER.fullmatch(k))]
+    return [k for _, k in sorted(found)]
+
+
+class DecodeImages:
+    """Pipeline stage: image members -> ``pixel_values`` uint8 ``[N, 3, S, S]`` and
+    ``image_tiles`` (tiles per image, in order). The image bytes are dropped.
+
+    A sample with an image that does not decode, or that disagrees with the index, is skipped
+    and counted (``undecodable_image``, ``image_count_mismatch``).
+    """
+
+    def __init__(self, config: ImageConfig | None = None, *, stats: SkipStats | None = None):
+        self.config = config or ImageConfig()
+        self.stats = stats if stats is not None else SkipStats()
+
+    def __call__(self, samples: Iterator[dict]) -> Iterator[dict]:
+        tile = self.config.tile_size
+        for sample in samples:
+            names = image_members(sample)
+            sizes = sample.get("__meta__", {}).get("images")
+            if sizes is not None and len(sizes) != len(names):
+                self.stats.skip(
+                    "images",
+                    "image_count_mismatch",
+                    sample,
+                    f"{len(names)} image members, the index lists {len(sizes)}",
+                )
+                continue
+            try:
+                per_image = [
+                    image_tiles(sample.pop(name), self.config, sizes[i] if sizes else None)
+                    for i, name in enumerate(names)
+                ]
+            except UnreadableImage as e:
+                self.stats.skip("images", "undecodable_image", sample, str(e))
+                continue
+            self.stats.ok("images")
+            sample["image_tiles"] = [len(t) for t in per_image]
+            sample["pixel_values"] = (
+                np.concatenate(per_image) if per_image else np.empty((0, 3, tile, tile), np.uint8)
+            )
+            yield sample

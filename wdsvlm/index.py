@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tarfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -100,3 +101,69 @@ def verify_dataset(source: str, storage_options: Mapping[str, Any] | None = None
                 f"{shard['bytes']} bytes, sha256 {shard['sha256'][:12]}... (changed or truncated)"
             )
     return index
+
+
+def scan_index(urls: list[str], storage_options: Mapping[str, Any] | None = None) -> dict:
+    """Build the index of wdsvlm-format shards that have none, by reading them once.
+
+    Every shard is read in full (image sizes come from the image headers), so prefer the
+    ``index.json`` that ``wdsvlm write`` leaves beside the shards; this is for shards copied
+    without it. ``sha256`` is left out (None) of a scanned index.
+    """
+    from .images import IMAGE_MEMBER, UnreadableImage, image_size
+
+    shards = []
+    for url in urls:
+        fs, path = filesystem(url, storage_options)
+        entries: list[dict] = []
+        images: dict[int, list[int]] = {}
+        try:
+            with fs.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tar:
+                for info in tar:
+                    if not info.isfile():
+                        continue
+                    key, _, suffix = info.name.partition(".")
+                    if not entries or entries[-1]["key"] != key:
+                        images = {}
+                        entries.append(
+                            {
+                                "key": key,
+                                "offset": info.offset,
+                                "size": 0,
+                                "images": [],
+                                "chars": [],
+                            }
+                        )
+                    entry = entries[-1]
+                    entry["size"] = info.offset_data + -(-info.size // 512) * 512 - entry["offset"]
+                    data = tar.extractfile(info).read()
+                    if suffix == "json":
+                        messages = json.loads(data).get("messages", [])
+                        entry["chars"] = [len(m.get("content", "")) for m in messages]
+                    elif match := IMAGE_MEMBER.fullmatch(suffix):
+                        images[int(match.group(1))] = list(image_size(data))
+                        entry["images"] = [images[n] for n in sorted(images)]
+        except FileNotFoundError:
+            raise ShardFormatError(f"{url}: shard not found") from None
+        except (tarfile.TarError, json.JSONDecodeError, UnreadableImage) as e:
+            raise ShardFormatError(
+                f"{url}: cannot scan it for an index ({e}); write the dataset with "
+                "`wdsvlm write`, which leaves index.json beside the shards"
+            ) from None
+        name = url.rsplit("/", 1)[-1]
+        shards.append(
+            {
+                "name": name,
+                "samples": len(entries),
+                "bytes": fs.size(path),
+                "sha256": None,
+                "entries": entries,
+            }
+        )
+    samples = sum(s["samples"] for s in shards)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "shards": shards,
+        "totals": {"shards": len(shards), "samples": samples},
+    }

@@ -1,0 +1,91 @@
+"""Read: spans of the plan in, samples (tar members by name) out.
+
+Each span is one ranged read of a shard through fsspec; the samples inside it are cut out by
+their index offsets. Nothing stays open between spans. A sample whose bytes are cut short (a
+truncated shard) or do not parse as tar members of its key is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from .stats import SkipStats
+from .storage import filesystem
+
+
+def tar_members(chunk: bytes) -> dict[str, bytes]:
+    """The members of a complete little tar (one sample's byte range), by name."""
+    members = {}
+    with tarfile.open(fileobj=io.BytesIO(chunk), mode="r:") as tar:
+        for info in tar:
+            if not info.isfile():
+                continue
+            data = tar.extractfile(info).read()
+            if len(data) != info.size:
+                raise tarfile.ReadError(f"member {info.name} is cut short")
+            members[info.name] = data
+    return members
+
+
+class ReadSamples:
+    """Pipeline stage: plan spans -> samples.
+
+    A sample is ``{"__key__", "__shard__", "__url__", "__meta__" (its index entry),
+    "__epoch__", "__worker__", "json": bytes, "0.jpg": bytes, ...}``: member names without
+    the key, as webdataset names them.
+    """
+
+    def __init__(
+        self,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        stats: SkipStats | None = None,
+    ):
+        self.storage_options = dict(storage_options or {})
+        self.stats = stats if stats is not None else SkipStats()
+
+    def __call__(self, spans: Iterator[dict]) -> Iterator[dict]:
+        for span in spans:
+            fs, path = filesystem(span["url"], self.storage_options)
+            data = fs.cat_file(path, start=span["start"], end=span["stop"])
+            for entry in span["entries"]:
+                sample = {
+                    "__key__": entry["key"],
+                    "__shard__": span["shard"],
+                    "__url__": span["url"],
+                    "__meta__": entry,
+                    "__epoch__": span["epoch"],
+                    "__worker__": span["worker"],
+                }
+                begin = entry["offset"] - span["start"]
+                chunk = data[begin : begin + entry["size"]]
+                if len(chunk) < entry["size"]:
+                    self.stats.skip(
+                        "read",
+                        "truncated_tar",
+                        sample,
+                        f"{span['url']} ends before byte {entry['offset'] + entry['size']}",
+                    )
+                    continue
+                try:
+                    members = tar_members(chunk)
+                except tarfile.TarError as e:
+                    self.stats.skip("read", "corrupt_tar", sample, f"bad tar data: {e}")
+                    continue
+                prefix = entry["key"] + "."
+                if not members or any(not name.startswith(prefix) for name in members):
+                    self.stats.skip(
+                        "read",
+                        "corrupt_tar",
+                        sample,
+                        f"members {sorted(members)} at offset {entry['offset']} are not all "
+                        f"of key {entry['key']}: the index does not match the shard",
+                    )
+                    continue
+                self.stats.ok("read")
+                for name, value in members.items():
+                    sample[name[len(prefix) :]] = value
+                yield sample

@@ -1,0 +1,248 @@
+"""Tokenize: chat messages in, ``input_ids`` and ``labels`` out, with image tokens in place.
+
+The conversation is rendered with the tokenizer's chat template (ChatML when it has none) and
+encoded in batches. Labels follow the Hugging Face convention (aligned with ``input_ids``; the
+model shifts): only the assistant answers and the end-of-turn token right after each are
+supervised, everything else is -100. Each ``<image>`` marker becomes
+``tokens_per_tile * tiles`` image tokens, where the tile count comes from the decoded image or,
+before decoding, from the image size in the index: so a sample's token count is known before
+any pixel is decoded, which is what packing on metadata needs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+
+from .errors import TemplateError
+from .images import ImageConfig, tile_count
+from .inputs import IMAGE_MARKER
+from .stats import SkipStats
+
+log = logging.getLogger("wdsvlm.tokenize")
+
+IGNORE_INDEX = -100
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def load_tokenizer(tokenizer: Any):
+    """A Hugging Face tokenizer object as is, or one loaded by name or path."""
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load the tokenizer {str(tokenizer)!r}: {e}") from None
+
+
+def _compile_template(source: str):
+    """The chat template compiled as transformers compiles it (sandboxed jinja)."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(f"the chat template refused the conversation: {message}")
+
+    def tojson(value, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class Tokenize:
+    """Pipeline stage: samples with a ``json`` member -> ``input_ids``, ``labels`` (int64
+    arrays of equal length), ``num_tokens`` (image tokens included) and ``image_tiles``.
+
+    ``tokenizer`` is a Hugging Face tokenizer or a name/path for ``AutoTokenizer``. The image
+    token is ``image_token``, else the tokenizer's own ``image_token``, else ``<image>``; when
+    the vocabulary lacks it, it is added as a special token to a copy of the tokenizer (logged
+    with its id: resize the model's embeddings to ``len(stage.tokenizer)``).
+    Skips, counted: ``invalid_json``, ``image_count_mismatch``, ``template_mismatch``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        tokens_per_tile: int = 64,
+        image_config: ImageConfig | None = None,
+        image_token: str | None = None,
+        chat_template: str | None = None,
+        batch_size: int = 32,
+        stats: SkipStats | None = None,
+    ):
+        if tokens_per_tile < 1 or batch_size < 1:
+            raise ValueError(
+                f"tokens_per_tile ({tokens_per_tile}) and batch_size ({batch_size}) "
+                "must be positive"
+            )
+        tok = load_tokenizer(tokenizer)
+        self.image_token = image_token or getattr(tok, "image_token", None) or IMAGE_MARKER
+        if len(tok.encode(self.image_token, add_special_tokens=False)) != 1:
+            tok = copy.deepcopy(tok)
+            tok.add_tokens([self.image_token], special_tokens=True)
+            log.warning(
+                "added the image token %r to a copy of the tokenizer as id %d; the "
+                "model's embeddings need %d rows",
+                self.image_token,
+                tok.convert_tokens_to_ids(self.image_token),
+                len(tok),
+            )
+        self.tokenizer = tok
+        self.image_token_id = tok.convert_tokens_to_ids(self.image_token)
+        template = chat_template or tok.chat_template or CHATML_TEMPLATE
+        if isinstance(template, dict):  # several named templates: the default one
+            template = template.get("default") or next(iter(template.values()))
+        self.chat_template = template
+        self.tokens_per_tile = tokens_per_tile
+        self.image_config = image_config or ImageConfig()
+        self.batch_size = batch_size
+        self.stats = stats if stats is not None else SkipStats()
+        # Special tokens longest first: the end-of-turn token is the one right after an answer.
+        self._specials = sorted(set(tok.all_special_tokens), key=len, reverse=True)
+        self._render_context = {
+            k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)
+        }
+        self._template = None
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_template"] = None  # compiled templates do not pickle; recompiled on first use
+        return state
+
+    def render(self, messages: list[dict]) -> str:
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        return self._template.render(
+            messages=messages, add_generation_prompt=False, **self._render_context
+        )
+
+    def __call__(self, samples: Iterator[dict]) -> Iterator[dict]:
+        batch = []
+        for sample in samples:
+            batch.append(sample)
+            if len(batch) == self.batch_size:
+                yield from self._encode(batch)
+                batch = []
+        if batch:
+            yield from self._encode(batch)
+
+    def tiles_of(self, sample: dict) -> list[int]:
+        """Tiles per image: as decoded, or as the index sizes say they will be."""
+        if "image_tiles" in sample:
+            return list(sample["image_tiles"])
+        sizes = sample.get("__meta__", {}).get("images")
+        if sizes is None:
+            raise ValueError(
+                f"{sample.get('__key__')}: no image sizes (no index entry, and "
+                "images not decoded): put DecodeImages before Tokenize"
+            )
+        return [tile_count(w, h, self.image_config) for w, h in sizes]
+
+    def _prepare(self, sample: dict) -> tuple[str, list[tuple[int, int]], list[int]] | None:
+        try:
+            messages = json.loads(sample["json"])["messages"]
+            messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        except (KeyError, TypeError, ValueError) as e:
+            self.stats.skip("tokenize", "invalid_json", sample, f"{type(e).__name__}: {e}")
+            return None
+        tiles = self.tiles_of(sample)
+        markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
+        if markers != len(tiles):
+            self.stats.skip(
+                "tokenize",
+                "image_count_mismatch",
+                sample,
+                f"{markers} {IMAGE_MARKER} markers but {len(tiles)} images",
+            )
+            return None
+        if self.image_token != IMAGE_MARKER:
+            for m in messages:
+                m["content"] = m["content"].replace(IMAGE_MARKER, self.image_token)
+        try:
+            text = self.render(messages)
+            return text, self._supervised(text, messages), tiles
+        except TemplateError as e:
+            self.stats.skip("tokenize", "template_mismatch", sample, str(e))
+            return None
+
+    def _supervised(self, text: str, messages: list[dict]) -> list[tuple[int, int]]:
+        """Character ranges of the answers (and their end-of-turn token) in ``text``.
+
+        Messages are found in order, each after the previous, so an answer quoted earlier in
+        a question is not mistaken for the answer.
+        """
+        ranges, pos = [], 0
+        for n, m in enumerate(messages, start=1):
+            at = text.find(m["content"], pos)
+            if at < 0:
+                if m["role"] == "assistant":
+                    raise TemplateError(
+                        f"the chat template does not render assistant turn {n} "
+                        "verbatim, so its tokens cannot be found for the labels"
+                    )
+                continue  # e.g. a template that drops system turns
+            end = pos = at + len(m["content"])
+            if m["role"] == "assistant":
+                after = end + len(text[end:]) - len(text[end:].lstrip(" "))
+                eot = next((s for s in self._specials if text.startswith(s, after)), None)
+                ranges.append((at, after + len(eot) if eot else end))
+        return ranges
+
+    def _encode(self, batch: list[dict]) -> Iterator[dict]:
+        prepared = [(s, p) for s in batch if (p := self._prepare(s)) is not None]
+        if not prepared:
+            return
+        encoded = self.tokenizer(
+            [p[0] for _, p in prepared], add_special_tokens=False, return_offsets_mapping=True
+        )
+        for i, (sample, (_, ranges, tiles)) in enumerate(prepared):
+            ids = np.asarray(encoded["input_ids"][i], dtype=np.int64)
+            offsets = np.asarray(encoded["offset_mapping"][i], dtype=np.int64).reshape(-1, 2)
+            supervised = np.zeros(len(ids), dtype=bool)
+            for a, b in ranges:
+                supervised |= (offsets[:, 1] > a) & (offsets[:, 0] < b)
+            labels = np.where(supervised, ids, IGNORE_INDEX)
+            is_image = ids == self.image_token_id
+            if is_image.sum() != len(tiles):
+                self.stats.skip(
+                    "tokenize",
+                    "image_count_mismatch",
+                    sample,
+                    f"{int(is_image.sum())} image tokens after templating, {len(tiles)} images",
+                )
+                continue
+            repeats = np.ones(len(ids), dtype=np.int64)
+            repeats[is_image] = np.asarray(tiles, dtype=np.int64) * self.tokens_per_tile
+            ids = np.repeat(ids, repeats)
+            labels = np.repeat(labels, repeats)
+            labels[ids == self.image_token_id] = IGNORE_INDEX
+            self.stats.ok("tokenize")
+            del sample["json"]
+            sample["input_ids"] = ids
+            sample["labels"] = labels
+            sample["num_tokens"] = len(ids)
+            sample["image_tiles"] = tiles
+            yield sample
