@@ -45,6 +45,10 @@ class UnreadableImage(ValueError):
     """The bytes are not an image Pillow can decode completely."""
 
 
+class ImageSizeMismatch(UnreadableImage):
+    """The image decodes to another size than the index recorded for it."""
+
+
 @dataclass(frozen=True)
 class ImageInfo:
     """What the index records of one image: its stored extension, bytes and displayed size."""
@@ -177,7 +181,7 @@ def image_tiles(
         with Image.open(io.BytesIO(data)) as img:
             width, height = _displayed_size(img)
             if expected_size is not None and (width, height) != tuple(expected_size):
-                raise UnreadableImage(
+                raise ImageSizeMismatch(
                     f"decodes to {width}x{height}, the index says "
                     f"{expected_size[0]}x{expected_size[1]}"
                 )
@@ -188,6 +192,8 @@ def image_tiles(
                 img.draft("RGB", stored_target)  # only reduces when target <= half the source
             img = to_rgb(ImageOps.exif_transpose(img))
             grid = img.resize(target, Image.Resampling.BICUBIC, reducing_gap=_REDUCING_GAP)
+    except UnreadableImage:
+        raise
     except _BAD_IMAGE as e:
         raise UnreadableImage(str(e) or type(e).__name__) from e
     pixels = np.asarray(grid)  # [rows * tile, cols * tile, 3]
@@ -213,7 +219,7 @@ class DecodeImages:
     ``image_tiles`` (tiles per image, in order). The image bytes are dropped.
 
     A sample with an image that does not decode, or that disagrees with the index, is skipped
-    and counted (``undecodable_image``, ``image_count_mismatch``).
+    and counted (``undecodable_image``, ``image_size_mismatch``, ``image_count_mismatch``).
     """
 
     def __init__(self, config: ImageConfig | None = None, *, stats: SkipStats | None = None):
@@ -238,6 +244,9 @@ class DecodeImages:
                     image_tiles(sample.pop(name), self.config, sizes[i] if sizes else None)
                     for i, name in enumerate(names)
                 ]
+            except ImageSizeMismatch as e:
+                self.stats.skip("images", "image_size_mismatch", sample, str(e))
+                continue
             except UnreadableImage as e:
                 self.stats.skip("images", "undecodable_image", sample, str(e))
                 continue

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch.utils.data import IterableDataset
+
 from .errors import ShardFormatError
 from .index import load_index, scan_index
 from .storage import join
@@ -205,7 +207,7 @@ def _expand(source: str | Sequence[str]) -> list[str]:
     return urls
 
 
-class Plan:
+class Plan(IterableDataset):
     """Pipeline source: this worker's spans for one epoch, ready for ``read_samples``.
 
     ``source`` is a dataset folder or URL, or tar URLs (see ``resolve_source``). Iterating
@@ -223,6 +225,7 @@ class Plan:
         span_bytes: int = 8 * 2**20,
         storage_options: Mapping[str, Any] | None = None,
     ):
+        super().__init__()
         self.index, self.urls = resolve_source(source, storage_options)
         self.seed = seed
         self.epoch = epoch

@@ -1,0 +1,169 @@
+"""Read and the stages after it on real shards: bytes as written, bad data skipped and
+counted with nothing else lost, no leaked files, runs in DataLoader worker processes."""
+
+from __future__ import annotations
+
+import os
+import tarfile
+
+import pytest
+import webdataset as wds
+
+from wdsvlm import load_index, write_dataset
+from wdsvlm.errors import TooManyFailuresError
+from wdsvlm.images import DecodeImages, ImageConfig
+from wdsvlm.index import scan_index
+from wdsvlm.plan import Plan, WorkerConfig
+from wdsvlm.read import ReadSamples
+from wdsvlm.shuffle import Shuffle
+from wdsvlm.stats import SkipStats
+from wdsvlm.tokenize import Tokenize
+
+from .conftest import EXAMPLE
+
+TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
+ONE = WorkerConfig(0, 1, 0)
+
+
+def pipeline(source, stats, **plan_args):
+    return wds.DataPipeline(
+        Plan(source, worker_config=ONE, **plan_args),
+        ReadSamples(stats=stats),
+        DecodeImages(ImageConfig(tile_size=64, max_image_side=128), stats=stats),
+        Tokenize(TOKENIZER, tokens_per_tile=4, stats=stats),
+    )
+
+
+def streamed(folder):
+    urls = [os.path.join(folder, s["name"]) for s in load_index(folder)["shards"]]
+    return {s["__key__"]: s for s in wds.WebDataset(urls, shardshuffle=False)}
+
+
+def test_read_gives_the_written_bytes_of_every_sample():
+    reference = streamed(EXAMPLE)
+    got = list(
+        wds.DataPipeline(Plan(EXAMPLE, worker_config=ONE, span_bytes=100_000), ReadSamples())
+    )
+    assert sorted(s["__key__"] for s in got) == sorted(reference)
+    for sample in got:
+        ref = reference[sample["__key__"]]
+        members = {k for k in ref if not k.startswith("__")}
+        assert {k for k in sample if not k.startswith("__")} == members
+        assert all(sample[m] == ref[m] for m in members)
+        assert sample["__meta__"]["key"] == sample["__key__"]
+
+
+def test_tar_urls_with_braces_use_the_index_beside_them_or_a_scan(tmp_path):
+    index = load_index(EXAMPLE)
+    pattern = os.path.join(EXAMPLE, "shapes-{000001..000003}.tar")
+    plan = Plan(pattern, worker_config=ONE)
+    assert [s["name"] for s in plan.index["shards"]] == [f"shapes-00000{i}.tar" for i in (1, 2, 3)]
+    assert len(plan) == sum(s["samples"] for s in index["shards"][1:4])
+    # the same shards copied without their index: scanned, to the same entries
+    for i in (1, 2, 3):
+        os.symlink(os.path.join(EXAMPLE, f"shapes-00000{i}.tar"), tmp_path / f"x-00000{i}.tar")
+    scanned = Plan(str(tmp_path / "x-{000001..000003}.tar"), worker_config=ONE)
+    for mine, theirs in zip(scanned.index["shards"], index["shards"][1:4], strict=True):
+        assert mine["entries"] == theirs["entries"]
+        assert mine["bytes"] == theirs["bytes"]
+    keys = [s["__key__"] for s in wds.DataPipeline(scanned, ReadSamples())]
+    assert len(keys) == len(set(keys)) == len(plan)
+
+
+def test_scan_refuses_foreign_tars_by_name(tmp_path):
+    path = tmp_path / "foreign-000000.tar"
+    with tarfile.open(path, "w") as tar:
+        info = tarfile.TarInfo("a.json")
+        data = b"not json"
+        info.size = len(data)
+        import io
+
+        tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(Exception, match="foreign-000000.tar: cannot scan"):
+        scan_index([str(path)])
+
+
+@pytest.fixture
+def written(llava_input, tmp_path):
+    path, root, _ = llava_input
+    out = str(tmp_path / "ds")
+    write_dataset(path, out, image_root=root, samples_per_shard=4, progress=False)
+    return out
+
+
+def _member_data_offset(shard_path, name):
+    with tarfile.open(shard_path) as tar:
+        info = tar.getmember(name)
+        return info.offset_data, info.size
+
+
+def test_bad_data_is_skipped_counted_and_nothing_else_lost(written):
+    index = load_index(written)
+    shard0 = os.path.join(written, index["shards"][0]["name"])
+    shard2 = os.path.join(written, index["shards"][2]["name"])
+    # a corrupt JPEG: sample 0's image header overwritten
+    offset, _ = _member_data_offset(shard0, "000000000.0.jpg")
+    with open(shard0, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\0" * 64)
+    # a broken JSON member: sample 2's text garbled, same length
+    offset, size = _member_data_offset(shard0, "000000002.json")
+    with open(shard0, "r+b") as f:
+        f.seek(offset)
+        f.write(b"{" + b"x" * (size - 1))
+    # a truncated tar: the last shard cut in the middle of its second sample
+    entries = index["shards"][2]["entries"]
+    cut = entries[1]["offset"] + entries[1]["size"] // 2
+    os.truncate(shard2, cut)
+    lost = {"000000000", "000000002"} | {e["key"] for e in entries if e["offset"] + e["size"] > cut}
+
+    stats = SkipStats()
+    keys = [s["__key__"] for s in pipeline(written, stats)]
+    every = {e["key"] for s in index["shards"] for e in s["entries"]}
+    assert sorted(keys) == sorted(every - lost)
+    assert stats.counts == {
+        "undecodable_image": 1,
+        "invalid_json": 1,
+        "truncated_tar": len(lost) - 2,
+    }
+    assert stats.examples["invalid_json"] == [f"{index['shards'][0]['name']}/000000002"]
+
+
+def test_a_run_of_failures_raises_naming_the_shard(written):
+    index = load_index(written)
+    shard = os.path.join(written, index["shards"][1]["name"])
+    os.truncate(shard, 10)
+    stats = SkipStats(max_consecutive=3)
+    with pytest.raises(TooManyFailuresError, match=index["shards"][1]["name"]):
+        list(pipeline(written, stats))
+
+
+def _open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_no_file_handles_leak_across_epochs():
+    before = _open_fds()
+    for epoch in range(3):
+        plan = Plan(EXAMPLE, worker_config=ONE, epoch=epoch)
+        assert sum(1 for _ in wds.DataPipeline(plan, ReadSamples())) == 320
+    assert _open_fds() == before
+
+
+def test_full_pipeline_in_dataloader_workers_yields_every_sample_once():
+    from torch.utils.data import DataLoader
+
+    stats = SkipStats()
+    pipe = wds.DataPipeline(
+        Plan(EXAMPLE, worker_config=WorkerConfig(0, 1, 2), seed=3),
+        ReadSamples(stats=stats),
+        Shuffle(50, seed=3),
+        DecodeImages(ImageConfig(tile_size=64, max_image_side=128), stats=stats),
+        Tokenize(TOKENIZER, tokens_per_tile=2, stats=stats),
+        wds.map(lambda s: (s["__key__"], s["num_tokens"], s["pixel_values"].shape[0])),
+    )
+    loader = DataLoader(pipe, batch_size=None, num_workers=2)
+    out = list(loader)
+    keys = [k for k, _, _ in out]
+    assert len(keys) == 320 and len(set(keys)) == 320
+    assert all(tokens > 0 for _, tokens, _ in out)
