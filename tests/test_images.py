@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from wdsvlm.images import UnreadableImage, probe_image, stored_bytes
@@ -82,7 +82,7 @@ def test_tile_counts_follow_the_formula(size, config, grid, tiles):
     image = encode(Image.new("RGB", size, (1, 2, 3)), "PNG")
     out = image_tiles(image, config)
     t = config.tile_size
-    assert out.shape == (tiles, 3, t, t) and out.dtype == np.uint8
+    assert out.shape == (tiles, 3, t, t) and out.dtype == torch.uint8
 
 
 def _quadrants(size):

@@ -106,3 +106,49 @@ def test_plan_refuses_a_dataloader_with_other_worker_count():
     loader = DataLoader(plan, batch_size=None, num_workers=2)
     with pytest.raises(ValueError, match="2 workers but the plan was made for 3"):
         next(iter(loader))
+
+
+def test_two_ranks_of_three_dataloader_workers_read_seven_shards_once(tmp_path):
+    """Real worker processes: each rank's DataLoader with 3 workers, over 7 uneven shards."""
+    import webdataset as wds
+    from torch.utils.data import DataLoader
+
+    from wdsvlm import write_dataset
+    from wdsvlm.read import ReadSamples
+
+    from .conftest import write_jsonl
+
+    records = [
+        {
+            "id": f"t{i}",
+            "conversations": [
+                {"from": "human", "value": f"Q{i}" * (i + 1)},
+                {"from": "gpt", "value": "A"},
+            ],
+        }
+        for i in range(20)
+    ]
+    out = str(tmp_path / "ds")
+    write_dataset(
+        write_jsonl(str(tmp_path / "in.jsonl"), records), out, samples_per_shard=3, progress=False
+    )
+    plan_index = Plan(out, worker_config=ONE_RANK).index
+    assert len(plan_index["shards"]) == 7
+    seen, per_epoch = [], {}
+    for epoch in (0, 1):
+        keys = []
+        for rank in range(2):
+            pipe = wds.DataPipeline(
+                Plan(out, epoch=epoch, seed=9, worker_config=WorkerConfig(rank, 2, 3)),
+                ReadSamples(),
+                wds.map(lambda s: s["__key__"]),
+            )
+            keys += list(DataLoader(pipe, batch_size=None, num_workers=3))
+        per_epoch[epoch] = keys
+        seen.append(sorted(keys))
+    every = sorted(e["key"] for s in plan_index["shards"] for e in s["entries"])
+    assert seen[0] == seen[1] == every  # every key once per epoch, across 2 x 3 workers
+    assert per_epoch[0] != per_epoch[1]  # and a new order each epoch
+
+
+ONE_RANK = WorkerConfig(0, 1, 0)

@@ -24,3 +24,16 @@ def test_readme_quick_start_runs_as_shown(tmp_path):
     got = [re.sub(r"in \d+\.\d s", "in T s", line) for line in run.stdout.splitlines()]
     want = [re.sub(r"in \d+\.\d s", "in T s", line) for line in shown.splitlines()]
     assert got == want
+
+
+def test_readme_pipeline_example_runs(monkeypatch):
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    match = re.search(r"```python\n(import webdataset as wds\n.*?)```", readme, re.S)
+    assert match, "pipeline example not found in README.md"
+    monkeypatch.chdir(REPO)
+    scope: dict = {}
+    exec(compile(match.group(1), "README.md", "exec"), scope)  # noqa: S102 - our own README
+    assert scope["stats"].counts == {}
+    sample = scope["sample"]  # the last one the loop saw
+    assert sample["pixel_values"].shape[0] == sum(sample["image_tiles"]) > 0

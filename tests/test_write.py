@@ -308,3 +308,11 @@ def test_write_to_s3_on_a_moto_server_matches_local(llava_input, tmp_path, s3_bu
     for name, data in files_of(local).items():
         assert fs.cat_file(f"{url}/{name}") == data, name
     assert verify_dataset(url, options)["totals"]["samples"] == 12
+
+
+def test_the_writer_side_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, wdsvlm, wdsvlm.write, wdsvlm.cli; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

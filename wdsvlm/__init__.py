@@ -1,4 +1,11 @@
-"""wdsvlm: WebDataset shards in, dense packed batches out, for vision-language-model training."""
+"""wdsvlm: WebDataset shards in, dense packed batches out, for vision-language-model training.
+
+The writer side (``write_dataset``, ``load_index``, ...) imports no torch; the pipeline stages
+(``Plan``, ``ReadSamples``, ``Shuffle``, ``DecodeImages``, ``Tokenize``, ...) are imported on
+first use.
+"""
+
+from importlib import import_module
 
 from .errors import (
     BadInputError,
@@ -6,6 +13,8 @@ from .errors import (
     InputError,
     ShardFormatError,
     StorageError,
+    TemplateError,
+    TooManyFailuresError,
     WdsvlmError,
 )
 from .index import load_index, verify_dataset
@@ -13,16 +22,37 @@ from .write import WriteOptions, WriteSummary, write_dataset
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "Plan": "plan",
+    "WorkerConfig": "plan",
+    "ReadSamples": "read",
+    "Shuffle": "shuffle",
+    "DecodeImages": "images",
+    "ImageConfig": "images",
+    "Tokenize": "tokenize",
+    "SkipStats": "stats",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'wdsvlm' has no attribute {name!r}")
+
+
 __all__ = [
     "BadInputError",
     "DatasetExistsError",
     "InputError",
     "ShardFormatError",
     "StorageError",
+    "TemplateError",
+    "TooManyFailuresError",
     "WdsvlmError",
     "WriteOptions",
     "WriteSummary",
     "load_index",
     "verify_dataset",
     "write_dataset",
+    *_LAZY,
 ]

@@ -234,7 +234,8 @@ class Plan(IterableDataset):
         if self.index["totals"]["samples"] == 0:
             raise ValueError(f"{source}: the dataset has no samples")
 
-    def __len__(self) -> int:
+    @property
+    def num_samples(self) -> int:
         """Samples in the whole dataset (all workers together)."""
         return sum(s["samples"] for s in self.index["shards"])
 
