@@ -1,0 +1,98 @@
+"""Packing: every sample in exactly one pack or the drop report, budgets never exceeded, a
+pure function of input order and settings, and near-optimal fill."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wdsvlm.pack import Pack, Packer, best_fill
+from wdsvlm.stats import SkipStats
+
+samples_strategy = st.lists(
+    st.tuples(st.integers(1, 700), st.integers(0, 12)), min_size=0, max_size=150
+)
+
+
+def run(samples, max_length, max_tiles, window):
+    packer = Packer(max_length, max_tiles, window)
+    packs = []
+    for i, (tokens, tiles) in enumerate(samples):
+        packs += packer.push(i, tokens, tiles)
+    packs += list(packer.drain())
+    return packs, packer.stats
+
+
+@settings(max_examples=200, deadline=None)
+@given(samples_strategy, st.integers(64, 1024), st.integers(1, 20), st.integers(1, 40))
+def test_every_sample_lands_in_one_pack_or_the_drop_report(samples, max_length, max_tiles, window):
+    packs, stats = run(samples, max_length, max_tiles, window)
+    packed = [i for pack in packs for i in pack]
+    assert len(packed) == len(set(packed))  # nobody twice
+    dropped = [i for i, (t, k) in enumerate(samples) if t > max_length or k > max_tiles]
+    assert sorted(packed + dropped) == list(range(len(samples)))
+    assert sum(stats.dropped.values()) == len(dropped)
+    for pack in packs:
+        assert pack, "no empty packs"
+        assert sum(samples[i][0] for i in pack) <= max_length
+        assert sum(samples[i][1] for i in pack) <= max_tiles
+
+
+@settings(max_examples=50, deadline=None)
+@given(samples_strategy, st.integers(64, 1024), st.integers(1, 20), st.integers(1, 40))
+def test_packing_depends_only_on_input_order_and_settings(samples, max_length, max_tiles, window):
+    assert (
+        run(samples, max_length, max_tiles, window)[0]
+        == run(list(samples), max_length, max_tiles, window)[0]
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), max_size=12), st.integers(1, 900))
+def test_best_fill_finds_the_optimal_token_sum(tokens, room):
+    from itertools import combinations
+
+    chosen = best_fill(tokens, [0] * len(tokens), room, 0)
+    best = max(
+        (sum(c) for r in range(len(tokens) + 1) for c in combinations(tokens, r) if sum(c) <= room),
+        default=0,
+    )
+    assert sum(tokens[i] for i in chosen) == best
+
+
+def test_tile_budget_is_kept_even_when_the_best_token_fill_breaks_it():
+    tokens = [500, 500, 300, 200]
+    tiles = [10, 10, 0, 0]
+    chosen = best_fill(tokens, tiles, 1000, 12)
+    assert sum(tiles[i] for i in chosen) <= 12
+    assert sum(tokens[i] for i in chosen) == 1000  # 500 + 300 + 200
+
+
+def test_a_sample_that_never_fits_best_is_still_packed_within_max_wait():
+    # 30 never belongs to a best fill (50 + 50 fills the row), so only its age gets it out
+    packer = Packer(100, None, window=4, max_wait=3)
+    packs = []
+    for i, tokens in enumerate([30] + [50] * 40):
+        packs += packer.push(i, tokens, 0)
+    first = next(n for n, pack in enumerate(packs) if 0 in pack)
+    assert first <= 4
+    assert all(sum(50 for i in p if i) + (30 if 0 in p else 0) == 100 for p in packs[:first])
+
+
+def test_pack_stage_counts_oversized_samples_by_key():
+    stats = SkipStats()
+    stage = Pack(100, max_tiles_per_pack=5, window=10, stats=stats)
+    samples = [
+        {"__key__": "ok", "__shard__": "s", "num_tokens": 50, "image_tiles": [2]},
+        {"__key__": "long", "__shard__": "s", "num_tokens": 101, "image_tiles": []},
+        {"__key__": "wide", "__shard__": "s", "num_tokens": 10, "image_tiles": [3, 3]},
+        {"__key__": "ok2", "__shard__": "s", "num_tokens": 50, "image_tiles": [1]},
+    ]
+    packs = list(stage(iter(samples)))
+    assert [[s["__key__"] for s in p] for p in packs] == [["ok", "ok2"]]
+    assert stats.counts == {"too_many_tokens": 1, "too_many_tiles": 1}
+    assert stats.examples == {"too_many_tokens": ["s/long"], "too_many_tiles": ["s/wide"]}
+    assert stage.pack_stats.fill == 1.0 and stage.pack_stats.as_dict()["dropped"] == {
+        "too_many_tokens": 1,
+        "too_many_tiles": 1,
+    }

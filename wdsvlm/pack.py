@@ -1,0 +1,214 @@
+"""Pack: tokenized samples in, packs (lists of samples filling one row of ``max_length``) out.
+
+A sliding window holds up to ``window`` samples. Each pack starts with the longest sample in
+the window (or the oldest, once it has waited ``max_wait`` packs: nothing waits for ever),
+then the rest of the row is filled by an exact subset-sum over the window's token counts (a
+bitset knapsack: the best fill reachable, not the first that greedy finds), under both
+budgets: ``max_length`` tokens and ``max_tiles_per_pack`` image tiles. Samples left out stay
+in the window for later packs; none is dropped. At the end of the stream the window drains
+pack by pack the same way.
+
+Packing needs only ``(tokens, tiles)`` per sample, so it is a pure function of the input order
+and the settings; ``Packer`` does the work on those numbers, ``Pack`` is the pipeline stage.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from .stats import SkipStats
+
+# When the best token fill breaks the tile budget, the tile-heaviest chosen sample is set
+# aside and the fill searched again, at most this many times before filling greedily.
+_TILE_RETRIES = 8
+
+
+def best_fill(
+    tokens: Sequence[int], tiles: Sequence[int], token_room: int, tile_room: int
+) -> list[int]:
+    """Indices of a subset with the largest token sum <= ``token_room`` and tile sum <=
+    ``tile_room``; among equal sums, earlier indices are preferred.
+
+    Exact for the token budget (a bitset subset-sum); the tile budget is met by setting aside
+    tile-heavy samples and searching again, then greedily if that does not settle it.
+    """
+    allowed = [i for i in range(len(tokens)) if tokens[i] <= token_room and tiles[i] <= tile_room]
+    for _ in range(_TILE_RETRIES):
+        chosen = _subset_sum(allowed, tokens, token_room)
+        used_tiles = sum(tiles[i] for i in chosen)
+        if used_tiles <= tile_room:
+            return chosen
+        allowed.remove(max(chosen, key=lambda i: (tiles[i], i)))
+    return _greedy(allowed, tokens, tiles, token_room, tile_room)
+
+
+def _subset_sum(items: list[int], tokens: Sequence[int], room: int) -> list[int]:
+    mask = (1 << (room + 1)) - 1
+    reach = [1]  # reach[k]: bitset of token sums reachable with items[:k]
+    for i in items:
+        reach.append((reach[-1] | (reach[-1] << tokens[i])) & mask)
+    best = reach[-1].bit_length() - 1
+    chosen = []
+    for k in range(len(items), 0, -1):  # walk back, leaving out later items when possible
+        if not (reach[k - 1] >> best) & 1:
+            chosen.append(items[k - 1])
+            best -= tokens[items[k - 1]]
+    return sorted(chosen)
+
+
+def _greedy(items, tokens, tiles, token_room, tile_room) -> list[int]:
+    chosen = []
+    for i in sorted(items, key=lambda i: (-tokens[i], i)):
+        if tokens[i] <= token_room and tiles[i] <= tile_room:
+            chosen.append(i)
+            token_room -= tokens[i]
+            tile_room -= tiles[i]
+    return sorted(chosen)
+
+
+@dataclass
+class PackStats:
+    """What packing did: fill, samples and tiles per pack, drops by reason."""
+
+    packs: int = 0
+    samples: int = 0
+    tokens: int = 0
+    tiles: int = 0
+    capacity: int = 0
+    dropped: Counter = field(default_factory=Counter)
+
+    @property
+    def fill(self) -> float:
+        """Real tokens over the tokens the packs could hold."""
+        return self.tokens / self.capacity if self.capacity else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "packs": self.packs,
+            "samples": self.samples,
+            "fill": self.fill,
+            "samples_per_pack": self.samples / self.packs if self.packs else 0.0,
+            "tiles_per_pack": self.tiles / self.packs if self.packs else 0.0,
+            "dropped": dict(self.dropped),
+        }
+
+
+class Packer:
+    """Streaming packer on numbers: feed ``(item, tokens, tiles)``, take packs of items.
+
+    ``push`` returns the packs that became ready (at most one: a window that is full emits
+    one pack before it takes the next sample); ``drain`` empties the window at the end.
+    Oversized items are refused by ``push`` with the reason, never packed.
+
+    Each pack starts with the sample that is hardest to place later, the longest (as
+    best-fit-decreasing does), unless the oldest has already waited ``max_wait`` packs (default:
+    the window size), which bounds how long any sample stays; the best fill of the room left
+    follows.
+    """
+
+    def __init__(
+        self,
+        max_length: int,
+        max_tiles_per_pack: int | None = None,
+        window: int = 500,
+        max_wait: int | None = None,
+    ):
+        if max_length < 1 or window < 1:
+            raise ValueError(f"max_length ({max_length}) and window ({window}) must be positive")
+        self.max_length = max_length
+        self.max_tiles = max_tiles_per_pack if max_tiles_per_pack is not None else 1 << 62
+        self.window = window
+        self.max_wait = max_wait if max_wait is not None else window
+        self.waiting: list[tuple] = []  # (item, tokens, tiles, packs emitted when it came in)
+        self.emitted = 0
+        self.stats = PackStats()
+
+    def oversized(self, tokens: int, tiles: int) -> str | None:
+        """Why a sample can never be packed, or None."""
+        if tokens > self.max_length:
+            return "too_many_tokens"
+        if tiles > self.max_tiles:
+            return "too_many_tiles"
+        return None
+
+    def push(self, item, tokens: int, tiles: int) -> list[list]:
+        reason = self.oversized(tokens, tiles)
+        if reason:
+            self.stats.dropped[reason] += 1
+            return []
+        ready = [self._emit()] if len(self.waiting) >= self.window else []
+        self.waiting.append((item, tokens, tiles, self.emitted))
+        return ready
+
+    def drain(self) -> Iterator[list]:
+        while self.waiting:
+            yield self._emit()
+
+    def _emit(self) -> list:
+        waiting = self.waiting
+        if self.emitted - waiting[0][3] >= self.max_wait:
+            seed = 0
+        else:
+            seed = max(range(len(waiting)), key=lambda i: (waiting[i][1], -i))
+        others = [i for i in range(len(waiting)) if i != seed]
+        rest = best_fill(
+            [waiting[i][1] for i in others],
+            [waiting[i][2] for i in others],
+            self.max_length - waiting[seed][1],
+            self.max_tiles - waiting[seed][2],
+        )
+        chosen = sorted([seed] + [others[i] for i in rest])
+        taken = set(chosen)
+        self.waiting = [w for i, w in enumerate(waiting) if i not in taken]
+        self.emitted += 1
+        self.stats.packs += 1
+        self.stats.samples += len(chosen)
+        self.stats.tokens += sum(waiting[i][1] for i in chosen)
+        self.stats.tiles += sum(waiting[i][2] for i in chosen)
+        self.stats.capacity += self.max_length
+        return [waiting[i][0] for i in chosen]
+
+
+class Pack:
+    """Pipeline stage: tokenized samples -> packs (lists of samples, in pack order).
+
+    A sample longer than ``max_length`` or with more tiles than ``max_tiles_per_pack`` is
+    dropped and counted (``too_many_tokens``, ``too_many_tiles``, in ``stats`` with its key).
+    """
+
+    def __init__(
+        self,
+        max_length: int,
+        *,
+        max_tiles_per_pack: int | None = None,
+        window: int = 500,
+        stats: SkipStats | None = None,
+    ):
+        self.max_length = max_length
+        self.max_tiles_per_pack = max_tiles_per_pack
+        self.window = window
+        self.stats = stats if stats is not None else SkipStats()
+        self.pack_stats = PackStats()
+
+    def __call__(self, samples: Iterator[dict]) -> Iterator[list[dict]]:
+        packer = Packer(self.max_length, self.max_tiles_per_pack, self.window)
+        self.pack_stats = packer.stats
+        for sample in samples:
+            tokens, tiles = sample["num_tokens"], sum(sample["image_tiles"])
+            reason = packer.oversized(tokens, tiles)
+            if reason:
+                self.stats.skip(
+                    "pack",
+                    reason,
+                    sample,
+                    f"{tokens} tokens, {tiles} tiles; "
+                    f"a pack holds {self.max_length} tokens, "
+                    f"{self.max_tiles_per_pack} tiles",
+                )
+                packer.stats.dropped[reason] += 1
+                continue
+            self.stats.ok("pack")
+            yield from packer.push(sample, tokens, tiles)
+        yield from packer.drain()
