@@ -1,0 +1,151 @@
+"""Collate: packs in, fixed-shape batches out (the batch format of DESIGN.md), and the
+attention helpers that keep packed samples apart.
+
+A batch always has ``batch_size`` rows of ``max_length`` tokens, so a compiled model never
+recompiles; rows without a pack (at the very end of a pass) are all padding. Images that were
+not decoded yet are decoded here, straight into the batch's one uint8 tensor (in shared memory
+inside a DataLoader worker, so it crosses to the training process without a copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .images import ImageConfig, UnreadableImage, image_members, image_tiles
+from .stats import SkipStats
+from .tokenize import IGNORE_INDEX
+
+
+class Collate:
+    """Batch maker: a list of up to ``batch_size`` packs -> a dict of tensors.
+
+    Each pack is a list of tokenized samples (``input_ids``, ``labels``, ``image_tiles``, and
+    ``pixel_values`` or image members still to decode). A sample whose image fails to decode
+    here is left out of its row (counted as ``undecodable_image``); the row pads instead.
+    """
+
+    def __init__(
+        self,
+        max_length: int,
+        batch_size: int,
+        pad_token_id: int,
+        *,
+        image_config: ImageConfig | None = None,
+        stats: SkipStats | None = None,
+    ):
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.pad_token_id = pad_token_id
+        self.image_config = image_config or ImageConfig()
+        self.stats = stats if stats is not None else SkipStats()
+
+    def __call__(self, packs: Sequence[list[dict]]) -> dict[str, Any]:
+        if len(packs) > self.batch_size:
+            raise ValueError(f"{len(packs)} packs for a batch of {self.batch_size}")
+        rows = [self._decoded(pack) for pack in packs]
+        rows += [[]] * (self.batch_size - len(rows))
+        return collate_rows(rows, self.max_length, self.pad_token_id, self.image_config.tile_size)
+
+    def _decoded(self, pack: list[dict]) -> list[dict]:
+        """The pack's samples with their tiles at hand; images that fail are left out."""
+        kept = []
+        for sample in pack:
+            if "pixel_values" not in sample and sample["image_tiles"]:
+                try:
+                    sample["pixel_values"] = self._decode(sample)
+                except UnreadableImage as e:
+                    self.stats.skip("collate", "undecodable_image", sample, str(e))
+                    continue
+            kept.append(sample)
+        return kept
+
+    def _decode(self, sample: dict) -> torch.Tensor:
+        tile = self.image_config.tile_size
+        counts = sample["image_tiles"]
+        sizes = sample.get("__meta__", {}).get("images") or [None] * len(counts)
+        pixels = torch.empty((sum(counts), 3, tile, tile), dtype=torch.uint8)
+        start = 0
+        for name, size, count in zip(image_members(sample), sizes, counts, strict=True):
+            image_tiles(sample[name], self.image_config, size, out=pixels[start : start + count])
+            start += count
+        return pixels
+
+
+def collate_rows(
+    rows: list[list[dict]], max_length: int, pad_token_id: int, tile_size: int
+) -> dict[str, Any]:
+    """The batch tensors for ``rows`` (each a list of samples, in pack order)."""
+    from torch.utils.data import get_worker_info
+
+    b = len(rows)
+    input_ids = np.full((b, max_length), pad_token_id, dtype=np.int64)
+    labels = np.full((b, max_length), IGNORE_INDEX, dtype=np.int64)
+    attention = np.zeros((b, max_length), dtype=np.int64)
+    positions = np.zeros((b, max_length), dtype=np.int64)
+    segments = []
+    for r, row in enumerate(rows):
+        at = 0
+        for sample in row:
+            n = len(sample["input_ids"])
+            if at + n > max_length:
+                raise ValueError(f"a pack of {at + n} tokens does not fit max_length={max_length}")
+            input_ids[r, at : at + n] = sample["input_ids"]
+            labels[r, at : at + n] = sample["labels"]
+            attention[r, at : at + n] = 1
+            positions[r, at : at + n] = np.arange(n)
+            segments.append(n)
+            at += n
+        if at < max_length:  # padding: a segment of its own, positions from 0
+            positions[r, at:] = np.arange(max_length - at)
+            segments.append(max_length - at)
+    samples = [s for row in rows for s in row]
+    tiles = [t for s in samples for t in s["image_tiles"]]
+    pixels = torch.empty((sum(tiles), 3, tile_size, tile_size), dtype=torch.uint8)
+    if get_worker_info() is not None:
+        pixels.share_memory_()
+    start = 0
+    for s in samples:
+        n = sum(s["image_tiles"])
+        if n:
+            pixels[start : start + n].copy_(torch.as_tensor(s["pixel_values"]))
+            start += n
+    labels_t = torch.from_numpy(labels)
+    return {
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(attention),
+        "labels": labels_t,
+        "position_ids": torch.from_numpy(positions),
+        "cu_seqlens": torch.from_numpy(np.cumsum([0, *segments], dtype=np.int32)),
+        "max_seqlen": max(segments),
+        "pixel_values": pixels,
+        "image_tiles": torch.tensor(tiles, dtype=torch.long),
+        "num_loss_tokens": (labels_t != IGNORE_INDEX).sum(),
+        "sample_keys": [
+            [f"{s.get('__shard__', '?')}/{s.get('__key__', '?')}" for s in row] for row in rows
+        ],
+    }
+
+
+def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Per token, the number of its packed segment in its row (a new one where positions
+    restart at 0); padding, which restarts too, is a segment of its own."""
+    return torch.cumsum((position_ids == 0).long(), dim=-1)
+
+
+def block_causal_mask(
+    position_ids: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The 4-D additive mask ``[B, 1, L, L]`` for eager/SDPA attention over packed rows: a
+    token sees the earlier tokens of its own sample only (0 where allowed, the dtype's lowest
+    value elsewhere). Pass it as ``attention_mask`` together with ``position_ids``."""
+    seg = segment_ids(position_ids)
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = (seg[:, :, None] == seg[:, None, :]) & causal
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
