@@ -31,6 +31,11 @@ _LAZY = {
     "ImageConfig": "images",
     "Tokenize": "tokenize",
     "SkipStats": "stats",
+    "Pack": "pack",
+    "Packer": "pack",
+    "Collate": "collate",
+    "block_causal_mask": "collate",
+    "Loader": "loader",
 }
 
 

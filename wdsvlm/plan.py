@@ -228,11 +228,32 @@ class Plan(IterableDataset):
         super().__init__()
         self.index, self.urls = resolve_source(source, storage_options)
         self.seed = seed
-        self.epoch = epoch
+        self._epoch = epoch
         self.worker_config = worker_config or WorkerConfig.from_environment()
         self.span_bytes = span_bytes
         if self.index["totals"]["samples"] == 0:
             raise ValueError(f"{source}: the dataset has no samples")
+
+    @property
+    def epoch(self) -> int:
+        """The epoch iterated next: a plain number, or a shared one (see ``share_epoch``)."""
+        return self._epoch if isinstance(self._epoch, int) else self._epoch.value
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        if isinstance(self._epoch, int):
+            self._epoch = value
+        else:
+            self._epoch.value = value
+
+    def share_epoch(self) -> None:
+        """Keep the epoch in shared memory, so that persistent DataLoader workers, which hold
+        their own copy of the plan, see ``set_epoch`` of the training process."""
+        if isinstance(self._epoch, int):
+            import torch.multiprocessing as mp
+
+            value = mp.Value("q", self._epoch, lock=False)
+            self._epoch = value
 
     @property
     def num_samples(self) -> int:

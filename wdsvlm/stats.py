@@ -51,6 +51,12 @@ class SkipStats:
                 f"samples: check {sample.get('__url__', where)}"
             )
 
+    def reset(self) -> None:
+        """Start counting afresh (a new epoch)."""
+        self.counts.clear()
+        self.examples.clear()
+        self._in_a_row.clear()
+
     def ok(self, stage: str) -> None:
         """A sample passed ``stage``: its run of failures is over."""
         self._in_a_row[stage] = 0
