@@ -37,3 +37,15 @@ def test_readme_pipeline_example_runs(monkeypatch):
     assert scope["stats"].counts == {}
     sample = scope["sample"]  # the last one the loop saw
     assert sample["pixel_values"].shape[0] == sum(sample["image_tiles"]) > 0
+
+
+def test_readme_loader_example_runs(monkeypatch, capsys):
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    match = re.search(r"```python\n(import wdsvlm\n\nloader = wdsvlm.Loader\(.*?)```", readme, re.S)
+    assert match, "Loader example not found in README.md"
+    monkeypatch.chdir(REPO)
+    scope: dict = {}
+    exec(compile(match.group(1), "README.md", "exec"), scope)  # noqa: S102 - our own README
+    assert scope["loader"].stats()["samples"] == 320
+    assert "'fill': 0.9" in capsys.readouterr().out
