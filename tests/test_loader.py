@@ -78,3 +78,15 @@ def test_oversized_samples_are_dropped_and_reported():
     batch = next(iter(loader))
     assert batch["input_ids"].shape == (4, 256)
     assert torch.all(batch["attention_mask"].sum(dim=1) <= 256)
+
+
+def test_truncate_keeps_long_samples_whose_first_answer_fits():
+    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, max_length=256, batch_size=4, truncate=True, **SMALL)
+    keys = keys_of(loader)
+    stats = loader.stats()
+    assert stats["truncated"] > 0
+    assert (
+        len(keys) + sum(stats["dropped"].values())
+        == 320
+        == len(set(keys)) + sum(stats["dropped"].values())
+    )

@@ -96,3 +96,53 @@ def test_pack_stage_counts_oversized_samples_by_key():
         "too_many_tokens": 1,
         "too_many_tiles": 1,
     }
+
+
+def _tokenized(key, parts, image_token=9, per_tile=2):
+    """A sample from ("q", n) text, ("a", n) answer (last token = end of turn), ("img", tiles)."""
+    import numpy as np
+
+    ids, labels, tiles = [], [], []
+    for kind, n in parts:
+        if kind == "img":
+            ids += [image_token] * (n * per_tile)
+            labels += [-100] * (n * per_tile)
+            tiles.append(n)
+        else:
+            ids += [5] * n
+            labels += [5 if kind == "a" else -100] * n
+    images = {f"{i}.jpg": b"x" for i in range(len(tiles))}
+    return {
+        "__key__": key,
+        "__shard__": "s",
+        "input_ids": np.array(ids),
+        "num_tokens": len(ids),
+        "labels": np.array(labels),
+        "image_tiles": tiles,
+        "__meta__": {"images": [[1, 1]] * len(tiles)},
+        **images,
+    }
+
+
+def test_truncate_cuts_after_the_last_whole_answer_and_drops_later_images():
+    from wdsvlm.pack import truncate_at_answer
+
+    sample = _tokenized("k", [("q", 3), ("img", 1), ("a", 4), ("q", 2), ("img", 2), ("a", 5)])
+    cut = truncate_at_answer(sample, 14, image_token_id=9, tokens_per_tile=2)
+    assert cut["num_tokens"] == 9 and len(cut["input_ids"]) == len(cut["labels"]) == 9
+    assert cut["image_tiles"] == [1] and cut["__meta__"]["images"] == [[1, 1]]
+    assert "0.jpg" in cut and "1.jpg" not in cut
+    assert truncate_at_answer(sample, 8, image_token_id=9, tokens_per_tile=2) is None
+    whole = truncate_at_answer(sample, 100, image_token_id=9, tokens_per_tile=2)
+    assert whole["num_tokens"] == sample["num_tokens"]
+
+
+def test_pack_stage_truncates_instead_of_dropping_when_asked():
+    stats = SkipStats()
+    stage = Pack(10, truncate=True, image_token_id=9, tokens_per_tile=2, stats=stats)
+    long = _tokenized("long", [("q", 2), ("a", 3), ("q", 4), ("a", 4)])  # 13 tokens
+    hopeless = _tokenized("hopeless", [("q", 9), ("a", 3)])
+    packs = list(stage(iter([long, hopeless])))
+    assert [[s["__key__"] for s in p] for p in packs] == [["long"]]
+    assert packs[0][0]["num_tokens"] == 5
+    assert stage.pack_stats.truncated == 1 and stats.counts == {"too_many_tokens": 1}

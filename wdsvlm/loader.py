@@ -81,6 +81,7 @@ class Loader:
         tokens_per_tile: int = 64,
         max_tiles_per_pack: int | None = None,
         pack_window: int = 500,
+        truncate: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         pin_memory: bool = False,
         prefetch_factor: int | None = None,
@@ -124,7 +125,13 @@ class Loader:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_token_id = 0 if pad is None else pad
         self.pack = Pack(
-            max_length, max_tiles_per_pack=max_tiles_per_pack, window=pack_window, stats=self.stats_
+            max_length,
+            max_tiles_per_pack=max_tiles_per_pack,
+            window=pack_window,
+            truncate=truncate,
+            image_token_id=self.tokenize.image_token_id,
+            tokens_per_tile=tokens_per_tile,
+            stats=self.stats_,
         )
         self.pipeline = wds.DataPipeline(
             self.plan,
@@ -200,7 +207,7 @@ class Loader:
         """Fill ratio, samples and tiles per pack, drops and skipped samples of this rank
         for the epoch so far, all workers together."""
         skips = SkipStats()
-        tokens = capacity = packs = samples = 0
+        tokens = capacity = packs = samples = truncated = 0
         dropped: dict = {}
         for report in self._worker_stats.values():
             skips.merge(report["skips"])
@@ -209,6 +216,7 @@ class Loader:
             packing = report["packing"]
             packs += packing["packs"]
             samples += packing["samples"]
+            truncated += packing["truncated"]
             for reason, n in packing["dropped"].items():
                 dropped[reason] = dropped.get(reason, 0) + n
         return {
@@ -216,6 +224,7 @@ class Loader:
             "packs": packs,
             "samples": samples,
             "samples_per_pack": samples / packs if packs else 0.0,
+            "truncated": truncated,
             "dropped": dropped,
             "skipped": dict(skips.counts),
         }

@@ -18,6 +18,8 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .stats import SkipStats
 
 # When the best token fill breaks the tile budget, the tile-heaviest chosen sample is set
@@ -77,6 +79,7 @@ class PackStats:
     tokens: int = 0
     tiles: int = 0
     capacity: int = 0
+    truncated: int = 0
     dropped: Counter = field(default_factory=Counter)
 
     @property
@@ -91,6 +94,7 @@ class PackStats:
             "fill": self.fill,
             "samples_per_pack": self.samples / self.packs if self.packs else 0.0,
             "tiles_per_pack": self.tiles / self.packs if self.packs else 0.0,
+            "truncated": self.truncated,
             "dropped": dict(self.dropped),
         }
 
@@ -171,11 +175,47 @@ class Packer:
         return [waiting[i][0] for i in chosen]
 
 
+def truncate_at_answer(
+    sample: dict, max_length: int, image_token_id: int, tokens_per_tile: int
+) -> dict | None:
+    """The sample cut after its last whole answer (with its end-of-turn token) that fits in
+    ``max_length``, dropping the images whose tokens fall after the cut; None when not even
+    the first answer fits. The cut is at the end of an answer, so never inside an image run.
+    """
+    from .images import image_members
+    from .tokenize import IGNORE_INDEX
+
+    supervised = sample["labels"] != IGNORE_INDEX
+    run_ends = supervised & ~np.append(supervised[1:], False)
+    ends = np.flatnonzero(run_ends[:max_length]) + 1
+    if len(ends) == 0:
+        return None
+    cut = int(ends[-1])
+    image_tokens = int((sample["input_ids"][:cut] == image_token_id).sum())
+    kept, total = 0, 0
+    while kept < len(sample["image_tiles"]) and total < image_tokens:
+        total += sample["image_tiles"][kept] * tokens_per_tile
+        kept += 1
+    out = {k: v for k, v in sample.items() if k not in image_members(sample)[kept:]}
+    out["input_ids"] = sample["input_ids"][:cut]
+    out["labels"] = sample["labels"][:cut]
+    out["num_tokens"] = cut
+    out["image_tiles"] = list(sample["image_tiles"][:kept])
+    if "__meta__" in sample:
+        out["__meta__"] = {**sample["__meta__"], "images": sample["__meta__"]["images"][:kept]}
+    if "pixel_values" in sample:
+        out["pixel_values"] = sample["pixel_values"][: sum(out["image_tiles"])]
+    return out
+
+
 class Pack:
     """Pipeline stage: tokenized samples -> packs (lists of samples, in pack order).
 
     A sample longer than ``max_length`` or with more tiles than ``max_tiles_per_pack`` is
     dropped and counted (``too_many_tokens``, ``too_many_tiles``, in ``stats`` with its key).
+    With ``truncate=True`` a sample that is only too long is cut after its last whole answer
+    that fits instead (``truncate_at_answer``; counted in ``pack_stats.truncated``), which
+    needs ``image_token_id`` and ``tokens_per_tile``.
     """
 
     def __init__(
@@ -184,8 +224,16 @@ class Pack:
         *,
         max_tiles_per_pack: int | None = None,
         window: int = 500,
+        truncate: bool = False,
+        image_token_id: int | None = None,
+        tokens_per_tile: int | None = None,
         stats: SkipStats | None = None,
     ):
+        if truncate and (image_token_id is None or tokens_per_tile is None):
+            raise ValueError("truncate=True needs image_token_id and tokens_per_tile")
+        self.truncate = truncate
+        self.image_token_id = image_token_id
+        self.tokens_per_tile = tokens_per_tile
         self.max_length = max_length
         self.max_tiles_per_pack = max_tiles_per_pack
         self.window = window
@@ -198,6 +246,14 @@ class Pack:
         for sample in samples:
             tokens, tiles = sample["num_tokens"], sum(sample["image_tiles"])
             reason = packer.oversized(tokens, tiles)
+            if reason == "too_many_tokens" and self.truncate:
+                cut = truncate_at_answer(
+                    sample, self.max_length, self.image_token_id, self.tokens_per_tile
+                )
+                if cut is not None:
+                    packer.stats.truncated += 1
+                    sample, tokens, tiles = cut, cut["num_tokens"], sum(cut["image_tiles"])
+                    reason = packer.oversized(tokens, tiles)
             if reason:
                 self.stats.skip(
                     "pack",
