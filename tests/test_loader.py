@@ -81,7 +81,7 @@ def test_oversized_samples_are_dropped_and_reported():
 
 
 def test_truncate_keeps_long_samples_whose_first_answer_fits():
-    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, max_length=256, batch_size=4, truncate=True, **SMALL)
+    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, max_length=160, batch_size=4, truncate=True, **SMALL)
     keys = keys_of(loader)
     stats = loader.stats()
     assert stats["truncated"] > 0
