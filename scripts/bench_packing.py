@@ -111,12 +111,30 @@ def best_fit_decreasing(samples, length, max_tiles):
 def streaming(samples, length, max_tiles, window):
     packer = Packer(length, max_tiles, window)
     start = time.perf_counter()
+    packs = []
     for i, (t, k) in enumerate(samples):
-        packer.push(i, t, k)
-    for _ in packer.drain():
-        pass
+        packs += packer.push(i, t, k)
+    packs += packer.drain()
     seconds = time.perf_counter() - start
-    return 1 - packer.stats.fill, seconds / len(samples)
+    return 1 - packer.stats.fill, seconds / len(samples), packs
+
+
+def tiles_per_batch_cv(packs, tiles_of, balanced, batch=8):
+    """Coefficient of variation of tiles per batch of 8 packs: in pack order, or grouped by
+    wdsvlm's BalanceBatches."""
+    from wdsvlm.pack import BalanceBatches, tiles_cv
+
+    as_samples = [[{"image_tiles": [tiles_of[i]]} for i in pack] for pack in packs]
+    if balanced:
+        stage = BalanceBatches(batch)
+        for _ in stage(iter(as_samples)):
+            pass
+        return stage.cv
+    sums = [
+        sum(tiles_of[i] for p in packs[j : j + batch] for i in p)
+        for j in range(0, len(packs) - batch + 1, batch)
+    ]
+    return tiles_cv(len(sums), sum(sums), sum(x * x for x in sums))
 
 
 def pipeline_seconds_per_sample() -> float:
@@ -153,9 +171,18 @@ def main() -> None:
         f"{'max_length':>10} {'kept':>6} {'naive':>7} {'fixed':>7} {'greedy':>7} {'bfd':>7} "
         f"{'wdsvlm':>7} {'wdsvlm-bfd':>10} {'pack us/sample':>15} {'of pipeline':>11}"
     )
+    cvs = []
     for length in (1024, 2048, 4096):
         kept = [(t, k) for t, k in mix if t <= length and k <= MAX_TILES_PER_PACK]
-        ours, cost = streaming(kept, length, MAX_TILES_PER_PACK, args.window)
+        ours, cost, packs = streaming(kept, length, MAX_TILES_PER_PACK, args.window)
+        tiles_of = [k for _, k in kept]
+        cvs.append(
+            (
+                length,
+                tiles_per_batch_cv(packs, tiles_of, True),
+                tiles_per_batch_cv(packs, tiles_of, False),
+            )
+        )
         bfd = best_fit_decreasing(kept, length, MAX_TILES_PER_PACK)
         print(
             f"{length:>10} {len(kept) / len(mix):6.1%} {naive(kept, length):7.2%} "
@@ -163,6 +190,10 @@ def main() -> None:
             f"{bfd:7.2%} {ours:7.2%} {100 * (ours - bfd):+9.2f}pp "
             f"{cost * 1e6:15.0f} {cost / per_sample:11.1%}"
         )
+    print("\nvision load: coefficient of variation of tiles per batch of 8 packs")
+    print(f"{'max_length':>10} {'balanced':>9} {'in pack order':>14}")
+    for length, balanced, in_order in cvs:
+        print(f"{length:>10} {balanced:9.3f} {in_order:14.3f}")
     print(f"\npipeline stages on shards_example: {per_sample * 1e3:.1f} ms per sample")
 
 

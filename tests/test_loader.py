@@ -90,3 +90,16 @@ def test_truncate_keeps_long_samples_whose_first_answer_fits():
         == 320
         == len(set(keys)) + sum(stats["dropped"].values())
     )
+
+
+def test_max_tiles_per_batch_bounds_every_batch_and_the_load_is_reported():
+    loader = wdsvlm.Loader(
+        EXAMPLE, TOKENIZER, max_length=1024, batch_size=4, max_tiles_per_batch=24, **SMALL
+    )
+    batches = list(loader)
+    assert all(int(b["image_tiles"].sum()) <= 24 for b in batches)
+    stats = loader.stats()
+    assert len(keys_of(batches)) + sum(stats["dropped"].values()) == 320
+    assert 0 < stats["tiles_per_batch_cv"] < 1
+    with pytest.raises(ValueError, match="max_tiles_per_batch"):
+        wdsvlm.Loader(EXAMPLE, TOKENIZER, batch_size=4, max_tiles_per_batch=3)

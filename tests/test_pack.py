@@ -146,3 +146,29 @@ def test_pack_stage_truncates_instead_of_dropping_when_asked():
     assert [[s["__key__"] for s in p] for p in packs] == [["long"]]
     assert packs[0][0]["num_tokens"] == 5
     assert stage.pack_stats.truncated == 1 and stats.counts == {"too_many_tokens": 1}
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 30), max_size=120), st.integers(1, 8))
+def test_balanced_batches_hold_every_pack_once(tiles, batch_size):
+    from wdsvlm.pack import BalanceBatches
+
+    packs = [[{"id": i, "image_tiles": [t]}] for i, t in enumerate(tiles)]
+    batches = list(BalanceBatches(batch_size)(iter(packs)))
+    ids = [p[0]["id"] for b in batches for p in b]
+    assert sorted(ids) == list(range(len(tiles)))
+    assert all(len(b) == batch_size for b in batches[: len(tiles) // batch_size])
+    assert all(1 <= len(b) <= batch_size for b in batches)
+
+
+def test_balanced_batches_even_out_the_vision_load():
+    import random
+
+    from wdsvlm.pack import BalanceBatches, tiles_cv
+
+    rng = random.Random(0)
+    tiles = [rng.choice([0, 0, 1, 3, 5, 10, 20]) for _ in range(800)]
+    stage = BalanceBatches(8)
+    list(stage(iter([[{"image_tiles": [t]}] for t in tiles])))
+    in_order = [sum(tiles[i : i + 8]) for i in range(0, 800, 8)]
+    assert stage.cv < 0.6 * tiles_cv(len(in_order), sum(in_order), sum(x * x for x in in_order))

@@ -1,8 +1,9 @@
 """wdsvlm.Loader: the whole pipeline over a torch DataLoader, yielding packed batches.
 
-    plan -> read -> shuffle -> tokenize -> pack -> collate (decodes the packed images)
+    plan -> read -> shuffle -> tokenize -> pack -> balance -> collate (decodes packed images)
 
-Tokens are counted before any image is decoded (tile counts follow from the index sizes), so
+Packs are grouped into batches of even vision load (``BalanceBatches``). Tokens are counted
+before any image is decoded (tile counts follow from the index sizes), so
 the packer works on metadata and only the samples of an emitted pack are decoded, straight
 into the batch's tensor.
 """
@@ -17,7 +18,7 @@ import webdataset as wds
 
 from .collate import Collate
 from .images import ImageConfig, tile_count
-from .pack import Pack
+from .pack import BalanceBatches, Pack, tiles_cv
 from .plan import Plan, WorkerConfig
 from .read import ReadSamples
 from .shuffle import Shuffle
@@ -30,9 +31,10 @@ _STATS_KEY = "_wdsvlm_stats"  # rides on each batch from the worker, removed bef
 class _WithStats:
     """Last stage: put the worker's running counts on each batch."""
 
-    def __init__(self, stats: SkipStats, pack: Pack):
+    def __init__(self, stats: SkipStats, pack: Pack, balance: BalanceBatches):
         self.stats = stats
         self.pack = pack
+        self.balance = balance
 
     def __call__(self, batches: Iterator[dict]) -> Iterator[dict]:
         from torch.utils.data import get_worker_info
@@ -47,6 +49,7 @@ class _WithStats:
                 "packing": self.pack.pack_stats.as_dict(),
                 "tokens": self.pack.pack_stats.tokens,
                 "capacity": self.pack.pack_stats.capacity,
+                "batch_tiles": list(self.balance.figures),
             }
             yield batch
 
@@ -57,8 +60,9 @@ class Loader:
     ``source``: a dataset folder or URL (``s3://``, ``gs://``, ...) or brace-expanded tar URLs.
     ``tokenizer``: a Hugging Face tokenizer, or a name/path for ``AutoTokenizer``.
     ``shuffle_buffer`` is in samples, ``shuffle_bytes`` bounds it in bytes; ``pack_window``
-    is the packer's window in samples. rank and world size come from ``torch.distributed``
-    (or torchrun's environment) unless given.
+    is the packer's window in samples. ``max_tiles_per_batch`` caps every pack at its share,
+    ``max_tiles_per_batch // batch_size`` tiles, so that no batch can pass it. rank and world
+    size come from ``torch.distributed`` (or torchrun's environment) unless given.
 
     Iterate it for one epoch of batches; call ``set_epoch(e)`` at the top of each epoch.
     ``stats()`` reports fill, samples per pack, drops and skipped samples so far.
@@ -80,6 +84,7 @@ class Loader:
         upscale: bool = False,
         tokens_per_tile: int = 64,
         max_tiles_per_pack: int | None = None,
+        max_tiles_per_batch: int | None = None,
         pack_window: int = 500,
         truncate: bool = False,
         storage_options: Mapping[str, Any] | None = None,
@@ -108,7 +113,6 @@ class Loader:
         self.seed = seed
         self.epoch = 0
         self.image_config = ImageConfig(tile_size, max_image_side, upscale)
-        self.max_tiles_per_pack = max_tiles_per_pack
         self.stats_ = SkipStats(max_consecutive_failures)
         self.plan = Plan(
             source, seed=seed, worker_config=self.worker_config, storage_options=storage_options
@@ -124,6 +128,15 @@ class Loader:
         tok = self.tokenize.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_token_id = 0 if pad is None else pad
+        if max_tiles_per_batch is not None:
+            if max_tiles_per_batch < batch_size:
+                raise ValueError(
+                    f"max_tiles_per_batch ({max_tiles_per_batch}) must be at least "
+                    f"batch_size ({batch_size})"
+                )
+            share = max_tiles_per_batch // batch_size  # per pack: no batch can pass the budget
+            max_tiles_per_pack = min(share, max_tiles_per_pack or share)
+        self.max_tiles_per_pack = max_tiles_per_pack
         self.pack = Pack(
             max_length,
             max_tiles_per_pack=max_tiles_per_pack,
@@ -133,24 +146,24 @@ class Loader:
             tokens_per_tile=tokens_per_tile,
             stats=self.stats_,
         )
+        self.balance = BalanceBatches(batch_size)
         self.pipeline = wds.DataPipeline(
             self.plan,
             ReadSamples(storage_options, stats=self.stats_),
             Shuffle(shuffle_buffer, shuffle_bytes, seed),
             self.tokenize,
             self.pack,
-            wds.batched(
-                batch_size,
-                partial=True,
-                collation_fn=Collate(
+            self.balance,
+            wds.map(
+                Collate(
                     max_length,
                     batch_size,
                     self.pad_token_id,
                     image_config=self.image_config,
                     stats=self.stats_,
-                ),
+                )
             ),
-            _WithStats(self.stats_, self.pack),
+            _WithStats(self.stats_, self.pack, self.balance),
         )
         self.dataloader_options = {
             "batch_size": None,
@@ -207,7 +220,7 @@ class Loader:
         """Fill ratio, samples and tiles per pack, drops and skipped samples of this rank
         for the epoch so far, all workers together."""
         skips = SkipStats()
-        tokens = capacity = packs = samples = truncated = 0
+        tokens = capacity = packs = samples = truncated = batches = tiles = squares = 0
         dropped: dict = {}
         for report in self._worker_stats.values():
             skips.merge(report["skips"])
@@ -217,6 +230,10 @@ class Loader:
             packs += packing["packs"]
             samples += packing["samples"]
             truncated += packing["truncated"]
+            full_batches, batch_tiles, batch_squares = report["batch_tiles"]
+            batches += full_batches
+            tiles += batch_tiles
+            squares += batch_squares
             for reason, n in packing["dropped"].items():
                 dropped[reason] = dropped.get(reason, 0) + n
         return {
@@ -224,6 +241,7 @@ class Loader:
             "packs": packs,
             "samples": samples,
             "samples_per_pack": samples / packs if packs else 0.0,
+            "tiles_per_batch_cv": tiles_cv(batches, tiles, squares),
             "truncated": truncated,
             "dropped": dropped,
             "skipped": dict(skips.counts),

@@ -14,6 +14,7 @@ and the settings; ``Packer`` does the work on those numbers, ``Pack`` is the pip
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -99,6 +100,14 @@ class PackStats:
         }
 
 
+def tiles_cv(batches: int, total: int, squares: int) -> float:
+    """Coefficient of variation from a count, a sum and a sum of squares."""
+    if batches == 0 or total == 0:
+        return 0.0
+    mean = total / batches
+    return math.sqrt(max(0.0, squares / batches - mean * mean)) / mean
+
+
 class Packer:
     """Streaming packer on numbers: feed ``(item, tokens, tiles)``, take packs of items.
 
@@ -157,12 +166,10 @@ class Packer:
         else:
             seed = max(range(len(waiting)), key=lambda i: (waiting[i][1], -i))
         others = [i for i in range(len(waiting)) if i != seed]
-        rest = best_fill(
-            [waiting[i][1] for i in others],
-            [waiting[i][2] for i in others],
-            self.max_length - waiting[seed][1],
-            self.max_tiles - waiting[seed][2],
-        )
+        tokens = [waiting[i][1] for i in others]
+        tiles = [waiting[i][2] for i in others]
+        token_room = self.max_length - waiting[seed][1]
+        rest = best_fill(tokens, tiles, token_room, self.max_tiles - waiting[seed][2])
         chosen = sorted([seed] + [others[i] for i in rest])
         taken = set(chosen)
         self.waiting = [w for i, w in enumerate(waiting) if i not in taken]
@@ -268,3 +275,66 @@ class Pack:
             self.stats.ok("pack")
             yield from packer.push(sample, tokens, tiles)
         yield from packer.drain()
+
+
+def choose_batch(tiles: Sequence[int], batch_size: int, target: float) -> list[int]:
+    """Indices of ``batch_size`` packs (of those waiting, oldest first) whose tiles add up
+    close to ``target``: the oldest pack, then each time the pack that brings the running sum
+    closest to its share of the target. Fewer than ``batch_size`` waiting: all of them."""
+    if len(tiles) <= batch_size:
+        return list(range(len(tiles)))
+    chosen = [0]
+    total = tiles[0]
+    left = set(range(1, len(tiles)))
+    while len(chosen) < batch_size:
+        goal = target * (len(chosen) + 1) / batch_size
+        best = min(left, key=lambda i: (abs(total + tiles[i] - goal), i))
+        chosen.append(best)
+        left.remove(best)
+        total += tiles[best]
+    return sorted(chosen)
+
+
+class BalanceBatches:
+    """Pipeline stage: packs -> batches (lists of ``batch_size`` packs) of even vision load.
+
+    Holds up to ``spread * batch_size`` packs and forms each batch around the mean tiles of
+    what it holds (``choose_batch``); packs keep their fill, only their grouping changes. The
+    oldest pack always goes into the next batch, so no pack waits long. ``cv`` is the
+    coefficient of variation of tiles per full batch so far.
+    """
+
+    def __init__(self, batch_size: int, spread: int = 4):
+        if batch_size < 1 or spread < 1:
+            raise ValueError(f"batch_size ({batch_size}) and spread ({spread}) must be positive")
+        self.batch_size = batch_size
+        self.spread = spread
+        self.figures = [0, 0, 0]  # full batches, sum of their tiles, sum of squares
+
+    @property
+    def cv(self) -> float:
+        return tiles_cv(*self.figures)
+
+    def __call__(self, packs: Iterator[list[dict]]) -> Iterator[list[list[dict]]]:
+        self.figures = [0, 0, 0]
+        held: list[tuple[list[dict], int]] = []
+        for pack in packs:
+            held.append((pack, sum(sum(s["image_tiles"]) for s in pack)))
+            if len(held) >= self.spread * self.batch_size:
+                yield self._take(held)
+        while held:
+            yield self._take(held)
+
+    def _take(self, held: list) -> list[list[dict]]:
+        tiles = [t for _, t in held]
+        target = sum(tiles) / len(tiles) * self.batch_size
+        chosen = choose_batch(tiles, self.batch_size, target)
+        if len(chosen) == self.batch_size:
+            total = sum(tiles[i] for i in chosen)
+            self.figures[0] += 1
+            self.figures[1] += total
+            self.figures[2] += total * total
+        batch = [held[i][0] for i in chosen]
+        for i in reversed(chosen):
+            del held[i]
+        return batch
