@@ -11,7 +11,9 @@ For each image-size mix, on the same shards and in one process, side by side:
 and then (b) in a DataLoader with 2 workers against (b) in the main process (batches of 8,
 tiles collated into one shared-memory tensor, as the loader ships them; the time to the first
 batch is shown apart), beside the machine's ceiling: the same work split over 2 plain
-processes that ship nothing. The script checks that
+processes that ship nothing; and last the whole wdsvlm.Loader (the stages plus packing and
+collate, which decodes a batch's images straight into one shared tensor) with 2 workers
+against none. The script checks that
 (a) and (b) give the same tokens, labels and tile counts for every sample.
 
 Mixes (made once under --workdir with wdsvlm's own writer; photo-like JPEGs: shapes plus
@@ -294,10 +296,32 @@ def measure_apart(folder: str, what: str) -> dict:
     return json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
 
 
+def timed_full_loader(folder: str, workers: int) -> dict:
+    """samples/s of wdsvlm.Loader (the stages plus packing into [2, 4096] batches and collate,
+    which decodes each batch's images straight into one shared tensor)."""
+    from wdsvlm import Loader
+
+    loader = Loader(
+        folder,
+        TOKENIZER,
+        max_length=4096,
+        batch_size=2,
+        num_workers=workers,
+        tile_size=CONFIG.tile_size,
+        max_image_side=CONFIG.max_image_side,
+        tokens_per_tile=TOKENS_PER_TILE,
+    )
+    start = time.perf_counter()
+    n = sum(len(row) for batch in loader for row in batch["sample_keys"])
+    return {"rate": n / (time.perf_counter() - start), "samples": n}
+
+
 def measure(what: str, folder: str) -> dict:
     tokenize = Tokenize(TOKENIZER, tokens_per_tile=TOKENS_PER_TILE, image_config=CONFIG)
     if what == "ceiling":
         return {"ceiling": machine_ceiling(folder, tokenize)}
+    if what.startswith("Loader"):
+        return timed_full_loader(folder, int(what[-1]))
     rate, first, keys = timed_loader(folder, tokenize, {"loader0": 0, "loader2": 2}[what])
     return {"rate": rate, "first": first, "keys": keys}
 
@@ -318,11 +342,13 @@ def bench_mix(mix, folder, rounds):
     n = same_work(naive_out, ours_out)
     keys = sorted(ours_out)
     del naive_out, ours_out
-    one, two, ceilings = [], [], []
+    one, two, ceilings, full0, full2 = [], [], [], [], []
     for _ in range(rounds):  # each in a fresh process, as a training job starts its loader
         one.append(measure_apart(folder, "loader0"))
         two.append(measure_apart(folder, "loader2"))
         ceilings.append(measure_apart(folder, "ceiling")["ceiling"])
+        full0.append(measure_apart(folder, "Loader0")["rate"])
+        full2.append(measure_apart(folder, "Loader2")["rate"])
     assert two[-1]["keys"] == keys
     ceiling = max(ceilings)
     result = {
@@ -340,6 +366,9 @@ def bench_mix(mix, folder, rounds):
         result["loader_2_workers_samples_per_s"] / result["loader_0_workers_samples_per_s"]
     )
     result["machine_2_process_ceiling"] = ceiling
+    result["Loader_0_workers_samples_per_s"] = max(full0)
+    result["Loader_2_workers_samples_per_s"] = max(full2)
+    result["Loader_2_workers_over_0"] = max(full2) / max(full0)
     return result
 
 
@@ -380,6 +409,13 @@ def main() -> None:
             f"{r['loader_0_workers_samples_per_s']:12.1f} "
             f"{r['loader_2_workers_samples_per_s']:12.1f} {r['2_workers_over_0']:6.2f} "
             f"{r['machine_2_process_ceiling']:8.2f}"
+        )
+    print("\nwdsvlm.Loader (the stages + pack + collate into [2, 4096] batches):")
+    print(f"{'mix':6} {'0 workers/s':>12} {'2 workers/s':>12} {'ratio':>6}")
+    for r in results:
+        print(
+            f"{r['mix']:6} {r['Loader_0_workers_samples_per_s']:12.1f} "
+            f"{r['Loader_2_workers_samples_per_s']:12.1f} {r['Loader_2_workers_over_0']:6.2f}"
         )
     for r in results:
         print(

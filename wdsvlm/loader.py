@@ -221,6 +221,7 @@ class Loader:
         for the epoch so far, all workers together."""
         skips = SkipStats()
         tokens = capacity = packs = samples = truncated = batches = tiles = squares = 0
+        pack_tiles = 0
         dropped: dict = {}
         for report in self._worker_stats.values():
             skips.merge(report["skips"])
@@ -229,6 +230,7 @@ class Loader:
             packing = report["packing"]
             packs += packing["packs"]
             samples += packing["samples"]
+            pack_tiles += packing["tiles_per_pack"] * packing["packs"]
             truncated += packing["truncated"]
             full_batches, batch_tiles, batch_squares = report["batch_tiles"]
             batches += full_batches
@@ -241,6 +243,7 @@ class Loader:
             "packs": packs,
             "samples": samples,
             "samples_per_pack": samples / packs if packs else 0.0,
+            "tiles_per_pack": pack_tiles / packs if packs else 0.0,
             "tiles_per_batch_cv": tiles_cv(batches, tiles, squares),
             "truncated": truncated,
             "dropped": dropped,
