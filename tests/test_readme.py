@@ -1,4 +1,4 @@
-"""The README's copy-paste example runs and prints what the README shows."""
+"""The README's examples run and print what the README shows."""
 
 from __future__ import annotations
 
@@ -10,12 +10,24 @@ import sys
 from .conftest import REPO
 
 
-def test_readme_quick_start_runs_as_shown(tmp_path):
+def readme_blocks(pattern: str) -> tuple[str, ...]:
     with open(os.path.join(REPO, "README.md")) as f:
-        readme = f.read()
-    match = re.search(r"```bash\n(mkdir -p /tmp/wds_demo.*?)```\n\n```\n(.*?)```", readme, re.S)
-    assert match, "Quick start example not found in README.md"
-    script, shown = match.groups()
+        match = re.search(pattern, f.read(), re.S)
+    assert match, f"example {pattern!r} not found in README.md"
+    return match.groups()
+
+
+def run_python_example(pattern: str, monkeypatch) -> dict:
+    """Run a README Python block in the repository root; its variables afterwards."""
+    (code,) = readme_blocks(pattern)
+    monkeypatch.chdir(REPO)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - our own README
+    return scope
+
+
+def test_readme_quick_start_runs_as_shown(tmp_path):
+    script, shown = readme_blocks(r"```bash\n(mkdir -p /tmp/wds_demo.*?)```\n\n```\n(.*?)```")
     bin_dir = os.path.dirname(sys.executable) + "/"
     script = script.replace(".venv/bin/", bin_dir).replace("/tmp/wds_demo", str(tmp_path))
     run = subprocess.run(["bash", "-euc", script], capture_output=True, text=True, check=False)
@@ -27,25 +39,14 @@ def test_readme_quick_start_runs_as_shown(tmp_path):
 
 
 def test_readme_pipeline_example_runs(monkeypatch):
-    with open(os.path.join(REPO, "README.md")) as f:
-        readme = f.read()
-    match = re.search(r"```python\n(import webdataset as wds\n.*?)```", readme, re.S)
-    assert match, "pipeline example not found in README.md"
-    monkeypatch.chdir(REPO)
-    scope: dict = {}
-    exec(compile(match.group(1), "README.md", "exec"), scope)  # noqa: S102 - our own README
+    scope = run_python_example(r"```python\n(import webdataset as wds\n.*?)```", monkeypatch)
     assert scope["stats"].counts == {}
     sample = scope["sample"]  # the last one the loop saw
     assert sample["pixel_values"].shape[0] == sum(sample["image_tiles"]) > 0
 
 
 def test_readme_loader_example_runs(monkeypatch, capsys):
-    with open(os.path.join(REPO, "README.md")) as f:
-        readme = f.read()
-    match = re.search(r"```python\n(import wdsvlm\n\nloader = wdsvlm.Loader\(.*?)```", readme, re.S)
-    assert match, "Loader example not found in README.md"
-    monkeypatch.chdir(REPO)
-    scope: dict = {}
-    exec(compile(match.group(1), "README.md", "exec"), scope)  # noqa: S102 - our own README
+    pattern = r"```python\n(import wdsvlm\n\nloader = wdsvlm.Loader\(.*?)```"
+    scope = run_python_example(pattern, monkeypatch)
     assert scope["loader"].stats()["samples"] == 320
     assert "'fill': 0.9" in capsys.readouterr().out
