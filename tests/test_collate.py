@@ -13,6 +13,7 @@ from wdsvlm.tokenize import IGNORE_INDEX
 
 IMAGE = 99  # image token id in these tests
 TILE4 = ImageConfig(tile_size=4)
+NO_TILES = torch.empty((0, 3, 4, 4), dtype=torch.uint8)
 PER_TILE = 2  # image tokens per tile
 
 
@@ -94,7 +95,7 @@ def test_tiles_come_in_image_token_order():
 
 def test_a_pack_that_does_not_fit_is_refused():
     with pytest.raises(ValueError, match="does not fit max_length=10"):
-        collate_rows([[make_sample("a", 6), make_sample("b", 6)]], 10, 0, 4)
+        collate_rows([[make_sample("a", 6), make_sample("b", 6)]], 10, 0, NO_TILES)
 
 
 def test_block_causal_mask_keeps_samples_apart():
@@ -131,7 +132,7 @@ def test_packed_loss_equals_each_sample_alone(dtype, tolerance):
     model = LlamaForCausalLM(config).to(dtype).eval()
     rng = np.random.default_rng(1)
     row = [make_sample(str(n), n, rng=rng) for n in (7, 11, 5, 3)]
-    batch = collate_rows([row, row[:2]], 40, 0, 4)
+    batch = collate_rows([row, row[:2]], 40, 0, NO_TILES)
     with torch.no_grad():
         logits = model(
             input_ids=batch["input_ids"],
@@ -165,13 +166,17 @@ def test_images_not_yet_decoded_are_decoded_into_the_batch(tmp_path):
     Image.new("RGB", (8, 8), (200, 0, 0)).save(buf, format="PNG")
     good = make_sample("a", 3, (1,))
     del good["pixel_values"]
-    good["0.png"] = buf.getvalue()
+    good.update({"0.png": buf.getvalue(), "__meta__": {"images": [[8, 8]]}})
     bad = make_sample("b", 3, (1,))
     del bad["pixel_values"]
-    bad["0.png"] = b"broken"
+    bad.update({"0.png": b"broken", "__meta__": {"images": [[8, 8]]}})
+    after = make_sample("c", 2, (1,), colour_base=77)
     collate = Collate(32, 1, 0, image_config=ImageConfig(tile_size=8, max_image_side=8))
-    batch = collate([[good, bad]])
-    assert batch["sample_keys"] == [["s/a"]]  # the undecodable one left out, the row pads
-    assert batch["pixel_values"].shape == (1, 3, 8, 8)
+    after["pixel_values"] = torch.full((1, 3, 8, 8), 77, dtype=torch.uint8)
+    batch = collate([[good, bad, after]])
+    assert batch["sample_keys"] == [["s/a", "s/c"]]  # the undecodable one left out
+    assert batch["pixel_values"].shape == (2, 3, 8, 8)
     assert batch["pixel_values"][0, :, 0, 0].tolist() == [200, 0, 0]
+    assert batch["pixel_values"][1, :, 0, 0].tolist() == [77, 77, 77]
+    assert batch["attention_mask"].sum() == 5 + 4  # a: 3 text + 2 image tokens, c: 2 + 2
     assert collate.stats.counts == {"undecodable_image": 1}

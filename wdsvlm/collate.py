@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .images import ImageConfig, UnreadableImage, image_members, image_tiles
+from .images import ImageConfig, UnreadableImage, decode_into, uint8_tiles
 from .stats import SkipStats
 from .tokenize import IGNORE_INDEX
 
@@ -46,41 +46,46 @@ class Collate:
     def __call__(self, packs: Sequence[list[dict]]) -> dict[str, Any]:
         if len(packs) > self.batch_size:
             raise ValueError(f"{len(packs)} packs for a batch of {self.batch_size}")
-        rows = [self._decoded(pack) for pack in packs]
-        rows += [[]] * (self.batch_size - len(rows))
-        return collate_rows(rows, self.max_length, self.pad_token_id, self.image_config.tile_size)
-
-    def _decoded(self, pack: list[dict]) -> list[dict]:
-        """The pack's samples with their tiles at hand; images that fail are left out."""
-        kept = []
-        for sample in pack:
-            if "pixel_values" not in sample and sample["image_tiles"]:
+        rows = [list(pack) for pack in packs] + [[]] * (self.batch_size - len(packs))
+        samples = [s for row in rows for s in row]
+        counts = [sum(s["image_tiles"]) for s in samples]
+        pixels = uint8_tiles(sum(counts), self.image_config.tile_size)
+        failed, start = [], 0
+        for sample, n in zip(samples, counts, strict=True):
+            if n:
                 try:
-                    sample["pixel_values"] = self._decode(sample)
+                    self._fill(sample, pixels[start : start + n])
                 except UnreadableImage as e:
                     self.stats.skip("collate", "undecodable_image", sample, str(e))
-                    continue
-            kept.append(sample)
-        return kept
+                    failed.append((sample, start, n))
+            start += n
+        if failed:  # rare: leave the failed samples out, their rows pad instead
+            pixels = _without(pixels, [(a, n) for _, a, n in failed])
+            gone = {id(s) for s, _, _ in failed}
+            rows = [[s for s in row if id(s) not in gone] for row in rows]
+        return collate_rows(rows, self.max_length, self.pad_token_id, pixels)
 
-    def _decode(self, sample: dict) -> torch.Tensor:
-        tile = self.image_config.tile_size
-        counts = sample["image_tiles"]
-        sizes = sample.get("__meta__", {}).get("images") or [None] * len(counts)
-        pixels = torch.empty((sum(counts), 3, tile, tile), dtype=torch.uint8)
-        start = 0
-        for name, size, count in zip(image_members(sample), sizes, counts, strict=True):
-            image_tiles(sample[name], self.image_config, size, out=pixels[start : start + count])
-            start += count
-        return pixels
+    def _fill(self, sample: dict, out: torch.Tensor) -> None:
+        if "pixel_values" in sample:
+            out.copy_(torch.as_tensor(sample["pixel_values"]))
+        else:  # decoded straight into the batch's tensor
+            decode_into(sample, self.image_config, out)
+
+
+def _without(pixels: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    keep = torch.ones(len(pixels), dtype=torch.bool)
+    for start, n in ranges:
+        keep[start : start + n] = False
+    out = uint8_tiles(int(keep.sum()), pixels.shape[-1])
+    out.copy_(pixels[keep])
+    return out
 
 
 def collate_rows(
-    rows: list[list[dict]], max_length: int, pad_token_id: int, tile_size: int
+    rows: list[list[dict]], max_length: int, pad_token_id: int, pixels: torch.Tensor
 ) -> dict[str, Any]:
-    """The batch tensors for ``rows`` (each a list of samples, in pack order)."""
-    from torch.utils.data import get_worker_info
-
+    """The batch tensors for ``rows`` (each a list of samples, in pack order); ``pixels``
+    holds their tiles already, in the same order."""
     b = len(rows)
     input_ids = np.full((b, max_length), pad_token_id, dtype=np.int64)
     labels = np.full((b, max_length), IGNORE_INDEX, dtype=np.int64)
@@ -104,15 +109,8 @@ def collate_rows(
             segments.append(max_length - at)
     samples = [s for row in rows for s in row]
     tiles = [t for s in samples for t in s["image_tiles"]]
-    pixels = torch.empty((sum(tiles), 3, tile_size, tile_size), dtype=torch.uint8)
-    if get_worker_info() is not None:
-        pixels.share_memory_()
-    start = 0
-    for s in samples:
-        n = sum(s["image_tiles"])
-        if n:
-            pixels[start : start + n].copy_(torch.as_tensor(s["pixel_values"]))
-            start += n
+    if sum(tiles) != len(pixels):
+        raise ValueError(f"{len(pixels)} tiles for {sum(tiles)} in the samples' image_tiles")
     labels_t = torch.from_numpy(labels)
     return {
         "input_ids": torch.from_numpy(input_ids),

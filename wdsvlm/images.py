@@ -274,11 +274,8 @@ class DecodeImages:
             yield sample
 
     def _decode(self, sample: dict, names: list[str], sizes: list | None):
-        """All tiles of a sample in one uint8 tensor, written in place image by image. Inside
-        a DataLoader worker it lives in shared memory, so it crosses to the training process
-        without a copy."""
+        """All tiles of a sample in one uint8 tensor, written in place image by image."""
         import torch
-        from torch.utils.data import get_worker_info
 
         tile = self.config.tile_size
         if sizes is None:  # no index sizes: decode, then join (the DataLoader shares it)
@@ -286,11 +283,31 @@ class DecodeImages:
             empty = torch.empty((0, 3, tile, tile), dtype=torch.uint8)
             return torch.cat([empty, *per_image]), [len(t) for t in per_image]
         counts = [tile_count(w, h, self.config) for w, h in sizes]
-        pixels = torch.empty((sum(counts), 3, tile, tile), dtype=torch.uint8)
-        if get_worker_info() is not None:
-            pixels.share_memory_()
-        start = 0
-        for name, size, count in zip(names, sizes, counts, strict=True):
-            image_tiles(sample.pop(name), self.config, size, out=pixels[start : start + count])
-            start += count
+        pixels = uint8_tiles(sum(counts), tile)
+        decode_into(sample, self.config, pixels)
+        for name in names:
+            del sample[name]
         return pixels, counts
+
+
+def uint8_tiles(n_tiles: int, tile: int) -> torch.Tensor:
+    """An empty ``[n_tiles, 3, tile, tile]`` uint8 tensor; inside a DataLoader worker it lives
+    in shared memory, so it crosses to the training process without a copy."""
+    import torch
+    from torch.utils.data import get_worker_info
+
+    pixels = torch.empty((n_tiles, 3, tile, tile), dtype=torch.uint8)
+    if get_worker_info() is not None:
+        pixels.share_memory_()
+    return pixels
+
+
+def decode_into(sample: dict, config: ImageConfig, out: torch.Tensor) -> None:
+    """Decode a sample's images, in order, into ``out`` (their tiles, one after another),
+    checking each against the size in the sample's index entry."""
+    sizes = sample["__meta__"]["images"]
+    start = 0
+    for name, size in zip(image_members(sample), sizes, strict=True):
+        count = tile_count(*size, config)
+        image_tiles(sample[name], config, size, out=out[start : start + count])
+        start += count

@@ -109,11 +109,8 @@ class Loader:
         )
         self.max_length = max_length
         self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.seed = seed
-        self.epoch = 0
         self.image_config = ImageConfig(tile_size, max_image_side, upscale)
-        self.stats_ = SkipStats(max_consecutive_failures)
+        self._skips = SkipStats(max_consecutive_failures)
         self.plan = Plan(
             source, seed=seed, worker_config=self.worker_config, storage_options=storage_options
         )
@@ -123,7 +120,7 @@ class Loader:
             image_config=self.image_config,
             image_token=image_token,
             chat_template=chat_template,
-            stats=self.stats_,
+            stats=self._skips,
         )
         tok = self.tokenize.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -144,12 +141,12 @@ class Loader:
             truncate=truncate,
             image_token_id=self.tokenize.image_token_id,
             tokens_per_tile=tokens_per_tile,
-            stats=self.stats_,
+            stats=self._skips,
         )
         self.balance = BalanceBatches(batch_size)
         self.pipeline = wds.DataPipeline(
             self.plan,
-            ReadSamples(storage_options, stats=self.stats_),
+            ReadSamples(storage_options, stats=self._skips),
             Shuffle(shuffle_buffer, shuffle_bytes, seed),
             self.tokenize,
             self.pack,
@@ -160,10 +157,10 @@ class Loader:
                     batch_size,
                     self.pad_token_id,
                     image_config=self.image_config,
-                    stats=self.stats_,
+                    stats=self._skips,
                 )
             ),
-            _WithStats(self.stats_, self.pack, self.balance),
+            _WithStats(self._skips, self.pack, self.balance),
         )
         self.dataloader_options = {
             "batch_size": None,
@@ -183,9 +180,12 @@ class Loader:
         """The tokenizer in use (a copy with the image token added, if it lacked one)."""
         return self.tokenize.tokenizer
 
+    @property
+    def epoch(self) -> int:
+        return self.plan.epoch
+
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose order the next iteration follows."""
-        self.epoch = epoch
         self.plan.epoch = epoch
 
     def __len__(self) -> int:
