@@ -14,6 +14,7 @@ from typing import Any
 
 from .errors import ShardFormatError
 from .storage import filesystem, join, read_bytes
+from .tarball import padded
 
 FORMAT = "wdsvlm"
 VERSION = 1
@@ -135,7 +136,7 @@ def scan_index(urls: list[str], storage_options: Mapping[str, Any] | None = None
                             }
                         )
                     entry = entries[-1]
-                    entry["size"] = info.offset_data + -(-info.size // 512) * 512 - entry["offset"]
+                    entry["size"] = info.offset_data + padded(info.size) - entry["offset"]
                     data = tar.extractfile(info).read()
                     if suffix == "json":
                         messages = json.loads(data).get("messages", [])

@@ -45,7 +45,7 @@ class _WithStats:
         for batch in batches:
             batch[_STATS_KEY] = {
                 "worker": worker,
-                "skips": self.stats.as_dict(),
+                "skips": self.stats.as_dict(examples=10),  # rides on every batch: keep it small
                 "packing": self.pack.pack_stats.as_dict(),
                 "tokens": self.pack.pack_stats.tokens,
                 "capacity": self.pack.pack_stats.capacity,
@@ -217,8 +217,9 @@ class Loader:
             yield batch
 
     def stats(self) -> dict:
-        """Fill ratio, samples and tiles per pack, drops and skipped samples of this rank
-        for the epoch so far, all workers together."""
+        """Fill ratio, samples and tiles per pack, tiles-per-batch spread, drops and skipped
+        samples (counts, and up to 10 ``"SHARD/KEY"`` per reason and worker) of this rank for
+        the epoch so far, all workers together."""
         skips = SkipStats()
         tokens = capacity = packs = samples = truncated = batches = tiles = squares = 0
         pack_tiles = 0
@@ -248,4 +249,5 @@ class Loader:
             "truncated": truncated,
             "dropped": dropped,
             "skipped": dict(skips.counts),
+            "skipped_examples": {k: list(v) for k, v in skips.examples.items()},
         }

@@ -7,27 +7,13 @@ truncated shard) or do not parse as tar members of its key is skipped and counte
 
 from __future__ import annotations
 
-import io
 import tarfile
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .stats import SkipStats
 from .storage import filesystem
-
-
-def tar_members(chunk: bytes) -> dict[str, bytes]:
-    """The members of a complete little tar (one sample's byte range), by name."""
-    members = {}
-    with tarfile.open(fileobj=io.BytesIO(chunk), mode="r:") as tar:
-        for info in tar:
-            if not info.isfile():
-                continue
-            data = tar.extractfile(info).read()
-            if len(data) != info.size:
-                raise tarfile.ReadError(f"member {info.name} is cut short")
-            members[info.name] = data
-    return members
+from .tarball import tar_members
 
 
 class ReadSamples:

@@ -61,10 +61,12 @@ class SkipStats:
         """A sample passed ``stage``: its run of failures is over."""
         self._in_a_row[stage] = 0
 
-    def as_dict(self) -> dict:
+    def as_dict(self, examples: int | None = None) -> dict:
+        """Counts per reason and ``"SHARD/KEY"`` examples (the first ``examples`` per reason,
+        or all that are kept)."""
         return {
             "skipped": dict(sorted(self.counts.items())),
-            "examples": {k: list(v) for k, v in sorted(self.examples.items())},
+            "examples": {k: list(v[:examples]) for k, v in sorted(self.examples.items())},
         }
 
     def merge(self, other: dict) -> None:

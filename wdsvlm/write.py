@@ -9,13 +9,11 @@ shard appears only when complete; ``index.json`` is written last.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import multiprocessing
 import os
 import re
-import tarfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
@@ -48,12 +46,9 @@ from .storage import (
     remove,
     staging_file,
 )
+from .tarball import BLOCK, HashingTarWriter, member_bytes, tar_bytes
 
 log = logging.getLogger("wdsvlm.write")
-
-_BLOCK = tarfile.BLOCKSIZE  # 512
-_RECORD = tarfile.RECORDSIZE  # 10240: tar files end padded to a whole record
-_END_OF_ARCHIVE = 2 * _BLOCK
 
 
 @dataclass(frozen=True)
@@ -82,7 +77,7 @@ class WriteOptions:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {self.format!r}")
         if self.samples_per_shard < 1:
             raise ValueError(f"samples_per_shard must be at least 1, not {self.samples_per_shard}")
-        if self.max_shard_bytes < 4 * _BLOCK:
+        if self.max_shard_bytes < 4 * BLOCK:
             raise ValueError(f"max_shard_bytes is too small: {self.max_shard_bytes}")
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, not {self.workers}")
@@ -243,21 +238,11 @@ def check_record(
     }
 
 
-def _member_bytes(size: int) -> int:
-    return _BLOCK + -(-size // _BLOCK) * _BLOCK
-
-
 def sample_tar_bytes(sample: dict) -> int:
     """Bytes a sample takes in a tar: a header and the padded data per member."""
-    return _member_bytes(len(sample["json"])) + sum(
-        _member_bytes(size) for _, _, size in sample["images"]
+    return member_bytes(len(sample["json"])) + sum(
+        member_bytes(size) for _, _, size in sample["images"]
     )
-
-
-def shard_tar_bytes(members_bytes: int) -> int:
-    """Size of a tar file whose members take ``members_bytes``: plus the end-of-archive
-    blocks, padded to a whole record as tar files are."""
-    return -(-(members_bytes + _END_OF_ARCHIVE) // _RECORD) * _RECORD
 
 
 def plan_shards(
@@ -271,8 +256,7 @@ def plan_shards(
     for number, sample in enumerate(samples):
         size = sample_tar_bytes(sample)
         if current and (
-            len(current) >= samples_per_shard
-            or shard_tar_bytes(current_bytes + size) > max_shard_bytes
+            len(current) >= samples_per_shard or tar_bytes(current_bytes + size) > max_shard_bytes
         ):
             plans.append((len(plans), first, current))
             current, current_bytes, first = [], 0, number
@@ -281,39 +265,6 @@ def plan_shards(
     if current:
         plans.append((len(plans), first, current))
     return plans
-
-
-def _tar_header(name: str, size: int) -> bytes:
-    info = tarfile.TarInfo(name)
-    info.size = size
-    info.mtime = 0  # fixed metadata: the same input gives byte-identical shards
-    info.mode = 0o644
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
-
-
-class _HashingTarWriter:
-    """Appends tar members to a file, counting bytes and hashing as it goes."""
-
-    def __init__(self, f):
-        self.f = f
-        self.digest = hashlib.sha256()
-        self.offset = 0
-
-    def put(self, data: bytes) -> None:
-        self.f.write(data)
-        self.digest.update(data)
-        self.offset += len(data)
-
-    def member(self, name: str, data: bytes) -> None:
-        self.put(_tar_header(name, len(data)))
-        self.put(data)
-        self.put(b"\0" * (-len(data) % _BLOCK))
-
-    def close(self) -> None:
-        self.put(b"\0" * _END_OF_ARCHIVE)
-        self.put(b"\0" * (-self.offset % _RECORD))
 
 
 def write_shard(
@@ -329,7 +280,7 @@ def write_shard(
     tmp = staging_file(url, storage_options)
     try:
         with open(tmp, "wb") as f:
-            tar = _HashingTarWriter(f)
+            tar = HashingTarWriter(f)
             entries = [
                 _write_sample(tar, sample_key(first + i), s, storage_options)
                 for i, s in enumerate(samples)
@@ -348,7 +299,7 @@ def write_shard(
     }
 
 
-def _write_sample(tar: _HashingTarWriter, key: str, sample: dict, storage_options) -> dict:
+def _write_sample(tar: HashingTarWriter, key: str, sample: dict, storage_options) -> dict:
     """Append one sample's members; return its index entry."""
     start = tar.offset
     tar.member(f"{key}.json", sample["json"])
