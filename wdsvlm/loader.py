@@ -172,6 +172,7 @@ class Loader:
             self.dataloader_options["prefetch_factor"] = prefetch_factor or 2
         self._worker_stats: dict = {}
         self._dataloader = None
+        self._batches_per_epoch = self._estimate_batches()  # the index does not change
         if self.dataloader_options["persistent_workers"]:
             self.plan.share_epoch()
 
@@ -192,6 +193,9 @@ class Loader:
         """Batches per epoch on this rank: an estimate from the index (image tokens exact,
         text tokens from the character counts at 3.5 characters a token, packing at 99%
         fill). Exact equal steps on every rank come with the DDP work."""
+        return self._batches_per_epoch
+
+    def _estimate_batches(self) -> int:
         tokens = 0
         per_tile = self.tokenize.tokens_per_tile
         for shard in self.plan.index["shards"]:

@@ -233,6 +233,7 @@ def check_record(
     return {
         "where": where,
         "json": text,
+        "source": record["source"],
         "images": images,
         "chars": [len(m["content"]) for m in record["messages"]],
     }
@@ -323,7 +324,7 @@ def build_index(
     shards: list[dict], samples: list[dict], prefix: str, skipped: Mapping[str, int]
 ) -> dict:
     images = [len(s["images"]) for s in samples]
-    sources = Counter(json.loads(s["json"])["source"] for s in samples)
+    sources = Counter(s["source"] for s in samples)
     return {
         "format": FORMAT,
         "version": VERSION,
