@@ -196,15 +196,14 @@ def wdsvlm_pipeline(folder, tokenize, workers=0):
 
 
 def collate_shared(samples):
-    """Batches of 8 as the loader ships them: one uint8 tensor of all tiles, made in shared
+    """Batches of 8 as a loader ships them: one uint8 tensor of all tiles, made in shared
     memory inside a worker so that it crosses to the training process without a copy."""
     import torch
-    from torch.utils.data import get_worker_info
+
+    from wdsvlm.images import uint8_tiles
 
     pixels = [s["pixel_values"] for s in samples]
-    out = torch.empty((sum(len(p) for p in pixels), *pixels[0].shape[1:]), dtype=torch.uint8)
-    if get_worker_info() is not None:
-        out.share_memory_()
+    out = uint8_tiles(sum(len(p) for p in pixels), pixels[0].shape[-1])
     torch.cat(pixels, out=out)
     # token arrays are small: pickled inline, cheaper than a shared-memory segment each
     return {

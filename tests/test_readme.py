@@ -48,5 +48,6 @@ def test_readme_pipeline_example_runs(monkeypatch):
 def test_readme_loader_example_runs(monkeypatch, capsys):
     pattern = r"```python\n(import wdsvlm\n\nloader = wdsvlm.Loader\(.*?)```"
     scope = run_python_example(pattern, monkeypatch)
-    assert scope["loader"].stats()["samples"] == 320
+    # an epoch is about one pass over the 320 samples (the rest carried into the next)
+    assert abs(scope["loader"].stats()["samples"] - 320) < 32
     assert "'fill': 0.9" in capsys.readouterr().out

@@ -125,6 +125,7 @@ def collate_rows(
         "sample_keys": [
             [f"{s.get('__shard__', '?')}/{s.get('__key__', '?')}" for s in row] for row in rows
         ],
+        "sample_passes": [[s.get("__epoch__", 0) for s in row] for row in rows],
     }
 
 

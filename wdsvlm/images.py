@@ -296,10 +296,13 @@ def uint8_tiles(n_tiles: int, tile: int) -> torch.Tensor:
     import torch
     from torch.utils.data import get_worker_info
 
-    pixels = torch.empty((n_tiles, 3, tile, tile), dtype=torch.uint8)
-    if get_worker_info() is not None:
-        pixels.share_memory_()
-    return pixels
+    shape = (n_tiles, 3, tile, tile)
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    # made in shared memory at once: share_memory_() on a private tensor would fault in and
+    # copy a private buffer first
+    storage = torch.UntypedStorage._new_shared(n_tiles * 3 * tile * tile)
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
 
 
 def decode_into(sample: dict, config: ImageConfig, out: torch.Tensor) -> None:

@@ -3,55 +3,38 @@
     plan -> read -> shuffle -> tokenize -> pack -> balance -> collate (decodes packed images)
 
 Packs are grouped into batches of even vision load (``BalanceBatches``). Tokens are counted
-before any image is decoded (tile counts follow from the index sizes), so
-the packer works on metadata and only the samples of an emitted pack are decoded, straight
-into the batch's tensor.
+before any image is decoded (tile counts follow from the index sizes), so the packer works on
+metadata and only the samples of an emitted pack are decoded, straight into the batch's tensor.
+
+Every rank yields the same number of batches an epoch (``len(loader)``), and whatever an epoch
+does not take is carried into the next one (``stream.py``): every sample once per pass, no
+collective call, and ``state_dict()`` resumes exactly.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
+import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import webdataset as wds
-
 from .collate import Collate
+from .errors import WdsvlmError
 from .images import ImageConfig, tile_count
 from .pack import BalanceBatches, Pack, tiles_cv
 from .plan import Plan, WorkerConfig
 from .read import ReadSamples
 from .shuffle import Shuffle
 from .stats import SkipStats
+from .stream import STATE_KEY, STATS_KEY, Stream, fresh_state
 from .tokenize import Tokenize
 
-_STATS_KEY = "_wdsvlm_stats"  # rides on each batch from the worker, removed before yielding
+log = logging.getLogger("wdsvlm.loader")
 
-
-class _WithStats:
-    """Last stage: put the worker's running counts on each batch."""
-
-    def __init__(self, stats: SkipStats, pack: Pack, balance: BalanceBatches):
-        self.stats = stats
-        self.pack = pack
-        self.balance = balance
-
-    def __call__(self, batches: Iterator[dict]) -> Iterator[dict]:
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-        worker = info.id if info is not None else 0
-        self.stats.reset()  # counts are per epoch
-        for batch in batches:
-            batch[_STATS_KEY] = {
-                "worker": worker,
-                "skips": self.stats.as_dict(examples=10),  # rides on every batch: keep it small
-                "packing": self.pack.pack_stats.as_dict(),
-                "tokens": self.pack.pack_stats.tokens,
-                "capacity": self.pack.pack_stats.capacity,
-                "batch_tiles": list(self.balance.figures),
-            }
-            yield batch
+STATE_VERSION = 1
 
 
 class Loader:
@@ -64,7 +47,14 @@ class Loader:
     ``max_tiles_per_batch // batch_size`` tiles, so that no batch can pass it. rank and world
     size come from ``torch.distributed`` (or torchrun's environment) unless given.
 
-    Iterate it for one epoch of batches; call ``set_epoch(e)`` at the top of each epoch.
+    An epoch is ``len(loader)`` batches on every rank: ``batches_per_epoch``, or by default an
+    estimate from the index of what one pass over the data packs into. What an epoch does not
+    take is carried into the next (see ``stream.py``): across ranks and workers each sample
+    comes once per pass; ``sample_passes`` in each batch says which pass each sample is of.
+
+    Iterate it for one epoch of batches; call ``set_epoch(e)`` at the top of each epoch
+    (iterating again without it goes on with the next epoch). ``state_dict()`` after any
+    step and ``load_state_dict()`` in a new process give the same batches from there on.
     ``stats()`` reports fill, samples per pack, drops and skipped samples so far.
     """
 
@@ -87,6 +77,7 @@ class Loader:
         max_tiles_per_batch: int | None = None,
         pack_window: int = 500,
         truncate: bool = False,
+        batches_per_epoch: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         pin_memory: bool = False,
         prefetch_factor: int | None = None,
@@ -101,6 +92,8 @@ class Loader:
             raise ValueError(
                 f"max_length ({max_length}) and batch_size ({batch_size}) must be positive"
             )
+        if batches_per_epoch is not None and batches_per_epoch < 1:
+            raise ValueError(f"batches_per_epoch must be at least 1, not {batches_per_epoch}")
         environment = WorkerConfig.from_environment(num_workers)
         self.worker_config = WorkerConfig(
             environment.rank if rank is None else rank,
@@ -114,6 +107,13 @@ class Loader:
         self.plan = Plan(
             source, seed=seed, worker_config=self.worker_config, storage_options=storage_options
         )
+        if self.plan.num_samples < self.worker_config.global_workers:
+            raise ValueError(
+                f"{source}: {self.plan.num_samples} samples for "
+                f"{self.worker_config.global_workers} global workers (world_size "
+                f"{self.worker_config.world_size} x num_workers {num_workers}); every worker "
+                "needs at least one sample a pass: use fewer workers"
+            )
         self.tokenize = Tokenize(
             tokenizer,
             tokens_per_tile=tokens_per_tile,
@@ -144,23 +144,29 @@ class Loader:
             stats=self._skips,
         )
         self.balance = BalanceBatches(batch_size)
-        self.pipeline = wds.DataPipeline(
+        self._storage_options = storage_options
+        # a multiple of the workers, so that each gives the same number of batches an epoch
+        # and none falls behind the others epoch after epoch
+        workers = self.worker_config.workers_per_rank
+        self._batches_per_epoch = (
+            -(-(batches_per_epoch or self._estimate_batches()) // workers) * workers
+        )
+        self.stream = Stream(
             self.plan,
             ReadSamples(storage_options, stats=self._skips),
             Shuffle(shuffle_buffer, shuffle_bytes, seed),
             self.tokenize,
             self.pack,
             self.balance,
-            wds.map(
-                Collate(
-                    max_length,
-                    batch_size,
-                    self.pad_token_id,
-                    image_config=self.image_config,
-                    stats=self._skips,
-                )
+            Collate(
+                max_length,
+                batch_size,
+                self.pad_token_id,
+                image_config=self.image_config,
+                stats=self._skips,
             ),
-            _WithStats(self._skips, self.pack, self.balance),
+            self._skips,
+            self._batches_per_epoch,
         )
         self.dataloader_options = {
             "batch_size": None,
@@ -170,11 +176,28 @@ class Loader:
         }
         if num_workers:
             self.dataloader_options["prefetch_factor"] = prefetch_factor or 2
+        self._config = {  # what a saved state must agree with to resume exactly
+            "dataset": self._dataset_id(),
+            "seed": seed,
+            "max_length": max_length,
+            "batch_size": batch_size,
+            "batches_per_epoch": self._batches_per_epoch,
+            "shuffle_buffer": shuffle_buffer,
+            "shuffle_bytes": shuffle_bytes,
+            "image": [tile_size, max_image_side, upscale],
+            "tokens_per_tile": tokens_per_tile,
+            "max_tiles_per_pack": max_tiles_per_pack,
+            "pack_window": pack_window,
+            "truncate": truncate,
+            "vocabulary": [len(tok), self.tokenize.image_token_id],
+        }
         self._worker_stats: dict = {}
+        self._yielded = [0, 0, 0, 0]
         self._dataloader = None
-        self._batches_per_epoch = self._estimate_batches()  # the index does not change
         if self.dataloader_options["persistent_workers"]:
             self.plan.share_epoch()
+        self._start_afresh(0)
+        self._pinned = False  # set_epoch named the epoch to iterate: do not move past it
 
     @property
     def tokenizer(self):
@@ -183,59 +206,219 @@ class Loader:
 
     @property
     def epoch(self) -> int:
-        return self.plan.epoch
+        return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose order the next iteration follows."""
-        self.plan.epoch = epoch
+        """Choose the epoch the next iteration yields. The current epoch keeps its position
+        (as after ``load_state_dict``); the next one, once the current is whole, goes on with
+        the samples it carries; any other epoch starts afresh at the start of that pass."""
+        if epoch == self._epoch:
+            pass
+        elif epoch == self._epoch + 1 and self._done >= self._batches_per_epoch:
+            self._next_epoch()
+        else:
+            if self._done:
+                log.warning(
+                    "set_epoch(%d) after %d of %d batches of epoch %d: epoch %d starts afresh; "
+                    "the samples epoch %d did not yield are not carried into it",
+                    epoch,
+                    self._done,
+                    self._batches_per_epoch,
+                    self._epoch,
+                    epoch,
+                    self._epoch,
+                )
+            self._start_afresh(epoch)
+        self._pinned = True
+
+    def _next_epoch(self) -> None:
+        self._epoch += 1
+        self._done = 0
+
+    def _start_afresh(self, epoch: int) -> None:
+        self._epoch = epoch
+        self._done = 0
+        self._states = [fresh_state(epoch) for _ in range(self.worker_config.workers_per_rank)]
+        self._restart_workers()
+
+    def _restart_workers(self) -> None:
+        """The workers' streams no longer stand where this loader does: start them anew."""
+        self._reusable = False
+        self.stream.forget()
+        if self.dataloader_options["persistent_workers"]:
+            self._dataloader = None  # its workers stop with it; new ones get the new job
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank: an estimate from the index (image tokens exact,
-        text tokens from the character counts at 3.5 characters a token, packing at 99%
-        fill). Exact equal steps on every rank come with the DDP work."""
+        """Batches per epoch, the same on every rank: ``batches_per_epoch``, else an
+        estimate of what one pass packs into (see ``_estimate_batches``), rounded up to a
+        multiple of ``num_workers``."""
         return self._batches_per_epoch
 
     def _estimate_batches(self) -> int:
-        tokens = 0
+        """Batches of one pass per rank, from the index alone plus a few samples: image
+        tokens and tiles are exact (index sizes), text tokens are the characters scaled by
+        the characters per token measured on up to 32 samples spread over the dataset (the
+        same ones on every rank), samples that cannot fit are left out, and packs are taken
+        as 97% full of tokens and of tiles. Every rank computes the same number."""
+        entries = [e for shard in self.plan.index["shards"] for e in shard["entries"]]
+        per_text_token = self._characters_per_token(entries[:: max(1, len(entries) // 32)])
         per_tile = self.tokenize.tokens_per_tile
-        for shard in self.plan.index["shards"]:
+        tile_budget = self.max_tiles_per_pack or 0
+        tokens = tiles = 0.0
+        for entry in entries:
+            n_tiles = sum(tile_count(w, h, self.image_config) for w, h in entry.get("images", []))
+            n_tokens = n_tiles * per_tile + sum(entry.get("chars", [])) / per_text_token
+            if tile_budget and n_tiles > tile_budget:
+                continue  # dropped: more tiles than a pack holds
+            if n_tokens > self.max_length:
+                if not self.pack.truncate:
+                    continue  # dropped
+                n_tokens = self.max_length * 0.75
+            tokens += n_tokens
+            tiles += n_tiles
+        packs = tokens / (self.max_length * 0.97)
+        if tile_budget:
+            packs = max(packs, tiles / (tile_budget * 0.97))
+        return max(1, math.ceil(packs / self.worker_config.world_size / self.batch_size))
+
+    def _characters_per_token(self, entries: list[dict]) -> float:
+        """Characters of text (the index's ``chars``) per text token, template included,
+        measured on ``entries``; 3.5 when none of them can be read."""
+        spans = []
+        wanted = {id(e) for e in entries}
+        for shard, url in zip(self.plan.index["shards"], self.plan.urls, strict=True):
             for entry in shard["entries"]:
-                tiles = sum(tile_count(w, h, self.image_config) for w, h in entry.get("images", []))
-                tokens += (
-                    tiles * per_tile
-                    + sum(entry.get("chars", [])) / 3.5
-                    + 10 * len(entry.get("chars", []))
-                )
-        packs = tokens / (self.max_length * 0.99) / self.worker_config.world_size
-        return max(1, math.ceil(packs / self.batch_size))
+                if id(entry) in wanted:
+                    spans.append(
+                        {
+                            "url": url,
+                            "shard": shard["name"],
+                            "start": entry["offset"],
+                            "stop": entry["offset"] + entry["size"],
+                            "entries": [entry],
+                            "epoch": 0,
+                            "worker": 0,
+                        }
+                    )
+        quiet = SkipStats()  # a bad sample here is found again, and counted, when it is read
+        samples = list(ReadSamples(self._storage_options, stats=quiet)(iter(spans)))
+        tokenize = copy.copy(self.tokenize)
+        tokenize.stats = quiet
+        chars = text = 0
+        for sample in tokenize.encode(samples):
+            image_tokens = sum(sample["image_tiles"]) * tokenize.tokens_per_tile
+            chars += sum(sample["__meta__"].get("chars", []))
+            text += sample["num_tokens"] - image_tokens
+        return chars / text if chars and text else 3.5
+
+    def _dataset_id(self) -> str:
+        shards = [[s["name"], s["samples"], s.get("bytes")] for s in self.plan.index["shards"]]
+        return hashlib.sha256(json.dumps(shards).encode()).hexdigest()[:16]
 
     def __iter__(self) -> Iterator[dict]:
         from torch.utils.data import DataLoader
 
+        total = self._batches_per_epoch
+        if self._done >= total:
+            if self._pinned:  # set_epoch named an epoch that is already whole
+                self._pinned = False
+                return
+            self._next_epoch()
+        self._pinned = False
+        if not (self._reusable and self._done == 0):
+            self._restart_workers()
+        self.stream.job = {"epoch": self._epoch, "done": self._done, "states": list(self._states)}
+        self.plan.epoch = self._epoch
         self._worker_stats = {}
-        if self._dataloader is None:  # one DataLoader, so that persistent workers persist
-            self._dataloader = DataLoader(self.pipeline, **self.dataloader_options)
+        self._yielded = [0, 0, 0, 0]  # packs, samples, tokens, tiles
+        if self._dataloader is None:  # kept, so that persistent workers persist
+            self._dataloader = DataLoader(self.stream, **self.dataloader_options)
+        whole = self._done == 0
+        self._reusable = False
         for batch in self._dataloader:
-            report = batch.pop(_STATS_KEY)
+            state = batch.pop(STATE_KEY)
+            self._states[state["role"]] = state["state"]
+            report = batch.pop(STATS_KEY)
             self._worker_stats[report.pop("worker")] = report
+            self._done += 1
+            self._count(batch)
             yield batch
+        if self._done != total:
+            raise WdsvlmError(f"epoch {self._epoch} ended after {self._done} of {total} batches")
+        self._reusable = whole  # each worker's stream stands at the end of this epoch
+
+    def _count(self, batch: dict) -> None:
+        yielded = self._yielded
+        yielded[0] += sum(1 for row in batch["sample_keys"] if row)
+        yielded[1] += sum(len(row) for row in batch["sample_keys"])
+        yielded[2] += int(batch["attention_mask"].sum())
+        yielded[3] += int(batch["image_tiles"].sum())
+
+    def state_dict(self) -> dict:
+        """Where this rank's loader stands: the epoch, the batches of it taken so far, and
+        each worker's stream position (places of samples, no sample bytes). Save it with the
+        model checkpoint, one per rank."""
+        return {
+            "version": STATE_VERSION,
+            "epoch": self._epoch,
+            "done": self._done,
+            "topology": self._topology(),
+            "config": dict(self._config),
+            "workers": copy.deepcopy(self._states),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from a ``state_dict()``: the next batches are the ones the saved run yielded
+        after it. The dataset, the settings and the topology (rank, world size, workers)
+        must be the ones it was saved with; a difference is refused, naming it."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"loader state version {state.get('version')!r}; this wdsvlm reads version "
+                f"{STATE_VERSION}"
+            )
+        saved, here = state["topology"], self._topology()
+        if saved != here:
+            diff = ", ".join(
+                f"{k} {saved.get(k)} -> {v}" for k, v in here.items() if saved.get(k) != v
+            )
+            raise ValueError(
+                f"cannot resume: the loader state was saved with a different topology ({diff}). "
+                "A mid-epoch position is a position in each worker's stream, so it resumes "
+                "only with the same rank, world_size and num_workers. To change them, start a "
+                f"new epoch afresh instead: set_epoch({state['epoch'] + 1}) without loading "
+                "this state (the samples the saved epoch still carried are then not yielded)."
+            )
+        diff = [k for k in self._config if state["config"].get(k) != self._config[k]]
+        if diff:
+            raise ValueError(
+                "cannot resume: the loader state was saved with other settings: "
+                + ", ".join(f"{k} {state['config'].get(k)!r} -> {self._config[k]!r}" for k in diff)
+            )
+        self._epoch = state["epoch"]
+        self._done = state["done"]
+        self._states = copy.deepcopy(state["workers"])
+        self._pinned = False
+        self._restart_workers()
+
+    def _topology(self) -> dict:
+        config = self.worker_config
+        return {
+            "rank": config.rank,
+            "world_size": config.world_size,
+            "num_workers": config.num_workers,
+        }
 
     def stats(self) -> dict:
-        """Fill ratio, samples and tiles per pack, tiles-per-batch spread, drops and skipped
-        samples (counts, and up to 10 ``"SHARD/KEY"`` per reason and worker) of this rank for
-        the epoch so far, all workers together."""
+        """For the batches of this epoch yielded so far on this rank: fill ratio of the
+        packed rows, samples and tiles per pack, tiles-per-batch spread; and, all workers
+        together, drops, truncations and skipped samples (counts, and up to 10
+        ``"SHARD/KEY"`` per reason and worker) in what the workers read this epoch."""
         skips = SkipStats()
-        tokens = capacity = packs = samples = truncated = batches = tiles = squares = 0
-        pack_tiles = 0
+        truncated = batches = tiles = squares = 0
         dropped: dict = {}
         for report in self._worker_stats.values():
             skips.merge(report["skips"])
-            tokens += report["tokens"]
-            capacity += report["capacity"]
             packing = report["packing"]
-            packs += packing["packs"]
-            samples += packing["samples"]
-            pack_tiles += packing["tiles_per_pack"] * packing["packs"]
             truncated += packing["truncated"]
             full_batches, batch_tiles, batch_squares = report["batch_tiles"]
             batches += full_batches
@@ -243,6 +426,8 @@ class Loader:
             squares += batch_squares
             for reason, n in packing["dropped"].items():
                 dropped[reason] = dropped.get(reason, 0) + n
+        packs, samples, tokens, pack_tiles = self._yielded
+        capacity = packs * self.max_length
         return {
             "fill": tokens / capacity if capacity else 0.0,
             "packs": packs,

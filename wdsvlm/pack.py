@@ -15,7 +15,7 @@ and the settings; ``Packer`` does the work on those numbers, ``Pack`` is the pip
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -87,6 +87,12 @@ class PackStats:
     def fill(self) -> float:
         """Real tokens over the tokens the packs could hold."""
         return self.tokens / self.capacity if self.capacity else 0.0
+
+    def reset(self) -> None:
+        """Count afresh (a new epoch)."""
+        self.packs = self.samples = self.tokens = self.tiles = self.capacity = 0
+        self.truncated = 0
+        self.dropped.clear()
 
     def as_dict(self) -> dict:
         return {
@@ -218,6 +224,9 @@ def truncate_at_answer(
 class Pack:
     """Pipeline stage: tokenized samples -> packs (lists of samples, in pack order).
 
+    Samples of one ``__epoch__`` are packed together: the first sample of a new epoch first
+    empties the window of the last one's.
+
     A sample longer than ``max_length`` or with more tiles than ``max_tiles_per_pack`` is
     dropped and counted (``too_many_tokens``, ``too_many_tiles``, in ``stats`` with its key).
     With ``truncate=True`` a sample that is only too long is cut after its last whole answer
@@ -247,20 +256,26 @@ class Pack:
         self.stats = stats if stats is not None else SkipStats()
         self.pack_stats = PackStats()
 
-    def __call__(self, samples: Iterator[dict]) -> Iterator[list[dict]]:
-        packer = Packer(self.max_length, self.max_tiles_per_pack, self.window)
+    def __call__(
+        self, samples: Iterator[dict], *, resume: dict | None = None
+    ) -> Iterator[list[dict]]:
+        """``resume``: a ``state()`` whose ``waiting`` samples were read and tokenized again."""
+        packer = self._packer = Packer(self.max_length, self.max_tiles_per_pack, self.window)
         self.pack_stats = packer.stats
+        self._ready: deque[list[dict]] = deque()  # packs made and not yet handed on
+        if resume:
+            packer.emitted = resume["emitted"]
+            for sample, came in zip(resume["waiting"], resume["came"], strict=True):
+                sample, tokens, tiles, _ = self.fit(sample)
+                packer.waiting.append((sample, tokens, tiles, came))
+            self._ready.extend([self.fit(s)[0] for s in pack] for pack in resume["ready"])
+        return self._run(samples, packer, self._ready)
+
+    def _run(self, samples: Iterator[dict], packer: Packer, ready: deque) -> Iterator[list[dict]]:
+        while ready:
+            yield ready.popleft()
         for sample in samples:
-            tokens, tiles = sample["num_tokens"], sum(sample["image_tiles"])
-            reason = packer.oversized(tokens, tiles)
-            if reason == "too_many_tokens" and self.truncate:
-                cut = truncate_at_answer(
-                    sample, self.max_length, self.image_token_id, self.tokens_per_tile
-                )
-                if cut is not None:
-                    packer.stats.truncated += 1
-                    sample, tokens, tiles = cut, cut["num_tokens"], sum(cut["image_tiles"])
-                    reason = packer.oversized(tokens, tiles)
+            sample, tokens, tiles, reason = self.fit(sample)
             if reason:
                 self.stats.skip(
                     "pack",
@@ -273,8 +288,42 @@ class Pack:
                 packer.stats.dropped[reason] += 1
                 continue
             self.stats.ok("pack")
-            yield from packer.push(sample, tokens, tiles)
+            if packer.waiting and sample.get("__epoch__") != packer.waiting[-1][0].get("__epoch__"):
+                ready.extend(packer.drain())  # a new epoch begins: the last one's samples first
+            # the sample goes into the window before any pack is handed on, and packs wait in
+            # ``ready``: a state taken while a pack is out holds every sample
+            ready.extend(packer.push(sample, tokens, tiles))
+            while ready:
+                yield ready.popleft()
         yield from packer.drain()
+
+    def fit(self, sample: dict) -> tuple[dict, int, int, str | None]:
+        """The sample as it goes into the window (cut, if it is too long and ``truncate``),
+        its tokens and tiles, and why it cannot be packed at all (or None)."""
+        limits = Packer(self.max_length, self.max_tiles_per_pack)
+        tokens, tiles = sample["num_tokens"], sum(sample["image_tiles"])
+        reason = limits.oversized(tokens, tiles)
+        if reason == "too_many_tokens" and self.truncate:
+            cut = truncate_at_answer(
+                sample, self.max_length, self.image_token_id, self.tokens_per_tile
+            )
+            if cut is not None:
+                self.pack_stats.truncated += 1
+                sample, tokens, tiles = cut, cut["num_tokens"], sum(cut["image_tiles"])
+                reason = limits.oversized(tokens, tiles)
+        return sample, tokens, tiles, reason
+
+    def state(self) -> dict:
+        """The running window: ``waiting`` samples in window order, the count of packs
+        ``emitted`` so far, when each waiting sample ``came`` (in that count), and the packs
+        made but not yet handed on (``ready``)."""
+        packer = self._packer
+        return {
+            "waiting": [w[0] for w in packer.waiting],
+            "came": [w[3] for w in packer.waiting],
+            "emitted": packer.emitted,
+            "ready": [list(pack) for pack in self._ready],
+        }
 
 
 def choose_batch(tiles: Sequence[int], batch_size: int, target: float) -> list[int]:
@@ -315,15 +364,25 @@ class BalanceBatches:
     def cv(self) -> float:
         return tiles_cv(*self.figures)
 
-    def __call__(self, packs: Iterator[list[dict]]) -> Iterator[list[list[dict]]]:
+    def __call__(
+        self, packs: Iterator[list[dict]], *, resume: list[list[dict]] | None = None
+    ) -> Iterator[list[list[dict]]]:
+        """``resume``: the packs ``held()`` returned, their samples read again."""
         self.figures = [0, 0, 0]
-        held: list[tuple[list[dict], int]] = []
+        self._held = [(p, sum(sum(s["image_tiles"]) for s in p)) for p in resume or []]
+        return self._run(packs, self._held)
+
+    def _run(self, packs: Iterator[list[dict]], held: list) -> Iterator[list[list[dict]]]:
         for pack in packs:
             held.append((pack, sum(sum(s["image_tiles"]) for s in pack)))
             if len(held) >= self.spread * self.batch_size:
                 yield self._take(held)
         while held:
             yield self._take(held)
+
+    def held(self) -> list[list[dict]]:
+        """The packs waiting for a batch, oldest first."""
+        return [pack for pack, _ in getattr(self, "_held", [])]
 
     def _take(self, held: list) -> list[list[dict]]:
         tiles = [t for _, t in held]

@@ -266,17 +266,60 @@ class Plan(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         config = self.worker_config
         worker = config.global_worker(current_worker_id(config))
+        yield from self.spans(self.epoch, worker)
+
+    def spans(self, epoch: int, worker: int, start: int = 0) -> Iterator[dict]:
+        """Global worker ``worker``'s spans of pass ``epoch``, from its sample number
+        ``start`` on (a span cut by ``start`` keeps only its later samples). Each span lists
+        its samples' positions in the worker's reading order of that pass."""
+        config = self.worker_config
         spans = worker_spans(
-            self.index, self.seed, self.epoch, worker, config.global_workers, self.span_bytes
+            self.index, self.seed, epoch, worker, config.global_workers, self.span_bytes
         )
+        position = 0
         for span in spans:
+            first, position = position, position + len(span["entries"])
+            if position <= start:
+                continue
             shard = self.index["shards"][span["shard"]]
+            entries = [shard["entries"][e] for e in span["entries"]]
+            positions = list(range(first, position))
+            if first < start:  # resuming inside this span: read only what is left of it
+                entries, positions = entries[start - first :], positions[start - first :]
             yield {
                 "url": self.urls[span["shard"]],
                 "shard": shard["name"],
-                "start": span["start"],
-                "stop": span["stop"],
-                "entries": [shard["entries"][e] for e in span["entries"]],
-                "epoch": self.epoch,
+                "start": min(e["offset"] for e in entries),
+                "stop": max(e["offset"] + e["size"] for e in entries),
+                "entries": entries,
+                "positions": positions,
+                "epoch": epoch,
                 "worker": worker,
             }
+
+    def share_size(self, worker: int) -> int:
+        """Samples in global worker ``worker``'s share of every pass."""
+        total = self.num_samples
+        start, stop = worker_share(total, worker, self.worker_config.global_workers)
+        return stop - start
+
+    def locate(self, epoch: int, worker: int, positions: Sequence[int]) -> list[dict]:
+        """One-sample spans for the given positions of a worker's pass ``epoch``, in the
+        order given: how a resumed loader fetches the samples its buffers held."""
+        by_position = {}
+        for span in self.spans(epoch, worker):
+            for position, entry in zip(span["positions"], span["entries"], strict=True):
+                by_position[position] = (span, entry)
+        out = []
+        for position in positions:
+            span, entry = by_position[position]
+            out.append(
+                {
+                    **span,
+                    "start": entry["offset"],
+                    "stop": entry["offset"] + entry["size"],
+                    "entries": [entry],
+                    "positions": [position],
+                }
+            )
+        return out

@@ -11,6 +11,7 @@ import tarfile
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from .errors import StorageError
 from .stats import SkipStats
 from .storage import filesystem
 from .tarball import tar_members
@@ -20,7 +21,8 @@ class ReadSamples:
     """Pipeline stage: plan spans -> samples.
 
     A sample is ``{"__key__", "__shard__", "__url__", "__meta__" (its index entry),
-    "__epoch__", "__worker__", "json": bytes, "0.jpg": bytes, ...}``: member names without
+    "__epoch__", "__worker__", "__pos__" (its place in the worker's reading order of the
+    epoch), "json": bytes, "0.jpg": bytes, ...}``: member names without
     the key, as webdataset names them.
     """
 
@@ -36,8 +38,15 @@ class ReadSamples:
     def __call__(self, spans: Iterator[dict]) -> Iterator[dict]:
         for span in spans:
             fs, path = filesystem(span["url"], self.storage_options)
-            data = fs.cat_file(path, start=span["start"], end=span["stop"])
-            for entry in span["entries"]:
+            try:
+                data = fs.cat_file(path, start=span["start"], end=span["stop"])
+            except OSError as e:  # a missing or unreadable shard is a fault, not a bad sample
+                raise StorageError(
+                    f"{span['url']}: cannot read bytes {span['start']}-{span['stop']} "
+                    f"(shard {span['shard']}): {type(e).__name__}: {e}"
+                ) from e
+            positions = span.get("positions") or [None] * len(span["entries"])
+            for entry, position in zip(span["entries"], positions, strict=True):
                 sample = {
                     "__key__": entry["key"],
                     "__shard__": span["shard"],
@@ -45,6 +54,7 @@ class ReadSamples:
                     "__meta__": entry,
                     "__epoch__": span["epoch"],
                     "__worker__": span["worker"],
+                    "__pos__": position,
                 }
                 begin = entry["offset"] - span["start"]
                 chunk = data[begin : begin + entry["size"]]

@@ -139,7 +139,14 @@ class Tokenize:
             messages=messages, add_generation_prompt=False, **self._render_context
         )
 
-    def __call__(self, samples: Iterator[dict]) -> Iterator[dict]:
+    def __call__(self, samples: Iterator[dict], *, resume: list[dict] | None = None):
+        """``resume``: samples read again for a resumed loader (see ``held``), yielded first."""
+        self._rest: list[dict] = list(resume or [])
+        return self._run(samples, resume)
+
+    def _run(self, samples: Iterator[dict], resume: list[dict] | None) -> Iterator[dict]:
+        if resume:
+            yield from self._encode(list(resume))
         batch = []
         for sample in samples:
             batch.append(sample)
@@ -211,7 +218,8 @@ class Tokenize:
                 ranges.append((at, after + len(eot) if eot else end))
         return ranges
 
-    def _encode(self, batch: list[dict]) -> Iterator[dict]:
+    def _encode(self, batch: list[dict], track: bool = True) -> Iterator[dict]:
+        """Tokenized ``batch``; ``track``: keep what is not yet yielded in ``held()``."""
         prepared = [(s, p) for s in batch if (p := self._prepare(s)) is not None]
         if not prepared:
             return
@@ -219,6 +227,8 @@ class Tokenize:
             [p[0] for _, p in prepared], add_special_tokens=False, return_offsets_mapping=True
         )
         for i, (sample, (_, ranges, tiles)) in enumerate(prepared):
+            if track:
+                self._rest = [s for s, _ in prepared[i + 1 :]]
             ids = np.asarray(encoded["input_ids"][i], dtype=np.int64)
             offsets = np.asarray(encoded["offset_mapping"][i], dtype=np.int64).reshape(-1, 2)
             supervised = np.zeros(len(ids), dtype=bool)
@@ -246,3 +256,13 @@ class Tokenize:
             sample["num_tokens"] = len(ids)
             sample["image_tiles"] = tiles
             yield sample
+        if track:
+            self._rest = []
+
+    def encode(self, samples: list[dict]) -> list[dict]:
+        """Tokenize ``samples`` at once (those that cannot be are skipped and counted)."""
+        return list(self._encode(list(samples), track=False))
+
+    def held(self) -> list[dict]:
+        """The samples taken in and not yet yielded (the rest of the batch being encoded)."""
+        return list(getattr(self, "_rest", []))

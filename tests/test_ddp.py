@@ -1,0 +1,208 @@
+"""The Loader under real DDP: 2 ranks (torch.multiprocessing, gloo, CPU), each with real
+DataLoader workers. Equal steps, every sample once per pass, exact resume, topology checks,
+and faults that end in a clear error instead of a hang."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from PIL import Image
+
+import wdsvlm
+
+from .conftest import EXAMPLE, write_jsonl
+
+TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
+SETTINGS = {
+    "max_length": 256,
+    "batch_size": 2,
+    "tile_size": 32,
+    "max_image_side": 64,
+    "tokens_per_tile": 4,
+    "shuffle_buffer": 12,
+    "pack_window": 10,
+    "seed": 3,
+}
+SHARD_SIZES = [9, 2, 14, 1, 6, 11, 4]  # 47 samples in 7 uneven shards
+
+
+def write_uneven(folder, sizes, tmp) -> str:
+    """A dataset whose shards hold ``sizes`` samples: one dataset written per shard, then the
+    shards renamed into one folder under one index (what the writer makes, shard by shard)."""
+    rng = random.Random(len(sizes))
+    os.makedirs(folder)
+    shards, n = [], 0
+    for s, size in enumerate(sizes):
+        records = []
+        for _ in range(size):
+            image = os.path.join(tmp, f"img{n}.png")
+            w, h = rng.randint(8, 200), rng.randint(8, 200)
+            Image.effect_noise((w, h), 60).convert("RGB").save(image)
+            records.append(
+                {
+                    "id": f"s{n}",
+                    "image": image,
+                    "conversations": [
+                        {"from": "human", "value": "<image>\n" + "Why? " * rng.randint(1, 10)},
+                        {"from": "gpt", "value": "Because. " * rng.randint(1, 12)},
+                    ],
+                }
+            )
+            n += 1
+        part = os.path.join(tmp, f"part{s}")
+        if records:
+            jsonl = write_jsonl(os.path.join(tmp, f"part{s}.jsonl"), records)
+            wdsvlm.write_dataset(jsonl, part, prefix=f"p{s}", progress=False)
+            index = json.load(open(os.path.join(part, "index.json")))
+            for shard in index["shards"]:
+                os.rename(os.path.join(part, shard["name"]), os.path.join(folder, shard["name"]))
+                shards.append(shard)
+        else:  # an empty shard: a tar of end-of-archive blocks only
+            name = f"p{s}-000000.tar"
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(b"\0" * 1024)
+            shards.append({**shards[-1], "name": name, "samples": 0, "bytes": 1024, "entries": []})
+            shards[-1].pop("sha256", None)
+    index["shards"] = shards
+    index["totals"] = {**index["totals"], "samples": n, "shards": len(shards)}
+    index["totals"]["images"] = n
+    with open(os.path.join(folder, "index.json"), "w") as f:
+        json.dump(index, f)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("uneven"))
+    return write_uneven(os.path.join(tmp, "ds"), SHARD_SIZES, tmp)
+
+
+def all_keys(folder) -> list[str]:
+    index = json.load(open(os.path.join(folder, "index.json")))
+    return sorted(f"{s['name']}/{e['key']}" for s in index["shards"] for e in s["entries"])
+
+
+def digest(batch: dict) -> str:
+    """Every tensor of a batch, bit for bit, and its keys."""
+    h = hashlib.sha256()
+    for name in sorted(batch):
+        value = batch[name]
+        if isinstance(value, torch.Tensor):
+            h.update(name.encode() + str(value.dtype).encode() + str(tuple(value.shape)).encode())
+            h.update(value.contiguous().numpy().tobytes())
+        else:
+            h.update(name.encode() + json.dumps(value).encode())
+    return h.hexdigest()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, job):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        out = job["run"](rank, job)
+        with open(os.path.join(job["out"], f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp(job: dict, world: int = 2) -> list:
+    """Run ``job["run"](rank, job)`` in ``world`` new processes of one gloo process group;
+    their results, by rank."""
+    mp.start_processes(
+        _rank_main, args=(world, _free_port(), job), nprocs=world, start_method="spawn"
+    )
+    return [pickle.load(open(os.path.join(job["out"], f"rank{r}.pkl"), "rb")) for r in range(world)]
+
+
+def _train(rank, job):
+    """The training loop of the README: set_epoch, iterate, all-reduce every step; the
+    loader's state after every step is kept for the resume tests."""
+    loader = wdsvlm.Loader(job["data"], TOKENIZER, num_workers=job["workers"], **SETTINGS)
+    assert (loader.worker_config.rank, loader.worker_config.world_size) == (rank, 2)
+    steps, seen, digests, states = [], [], [], []
+    for epoch in range(job["epochs"]):
+        loader.set_epoch(epoch)
+        n = 0
+        for batch in loader:
+            total = batch["num_loss_tokens"].clone()
+            dist.all_reduce(total)  # hangs if the ranks disagree on the number of steps
+            for keys, passes in zip(batch["sample_keys"], batch["sample_passes"], strict=True):
+                seen += [(p, k) for p, k in zip(passes, keys, strict=True)]
+            digests.append(digest(batch))
+            states.append(loader.state_dict())
+            n += 1
+        steps.append(n)
+    return {"len": len(loader), "steps": steps, "seen": seen, "digests": digests, "states": states}
+
+
+def _resume(rank, job):
+    """For each saved step k: a new loader, its state loaded, the loop as a restarted job runs
+    it (set_epoch with the saved epoch first); the digests of what follows."""
+    out = {}
+    for k, states in job["states"].items():
+        loader = wdsvlm.Loader(job["data"], TOKENIZER, num_workers=job["workers"], **SETTINGS)
+        state = states[rank]
+        loader.load_state_dict(state)
+        digests = []
+        for epoch in range(state["epoch"], job["epochs"]):
+            loader.set_epoch(epoch)
+            for batch in loader:
+                total = batch["num_loss_tokens"].clone()
+                dist.all_reduce(total)
+                digests.append(digest(batch))
+        out[k] = digests
+    return out
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_two_ranks_equal_steps_every_sample_once_per_pass_and_exact_resume(
+    uneven, tmp_path, workers
+):
+    epochs = 3
+    job = {"run": _train, "data": uneven, "workers": workers, "epochs": epochs}
+    ranks = ddp({**job, "out": str(tmp_path)})
+    length = ranks[0]["len"]
+    for r in ranks:  # the same number of batches on every rank, and len() says it
+        assert r["len"] == length and r["steps"] == [length] * epochs
+    every = all_keys(uneven)
+    seen = [s for r in ranks for s in r["seen"]]
+    for p in (0, 1):  # passes 0 and 1 are over after 3 epochs: each key exactly once in each
+        assert sorted(k for q, k in seen if q == p) == every, f"pass {p}"
+    for p in {q for q, _ in seen} - {0, 1}:  # the passes still going on: no key twice
+        later = [k for q, k in seen if q == p]
+        assert len(later) == len(set(later)), f"pass {p}"
+
+    # resume: inside the first window, mid-epoch, right after an epoch boundary, near the end
+    total = epochs * length
+    ks = sorted({1, 3, length // 2, length, length + 1, total - 2})
+    states = {k: [r["states"][k - 1] for r in ranks] for k in ks}
+    assert states[length][0]["done"] == length  # the state right after epoch 0's last step
+    resumed = ddp(
+        {
+            "run": _resume,
+            "data": uneven,
+            "workers": workers,
+            "epochs": epochs,
+            "states": states,
+            "out": str(tmp_path),
+        }
+    )
+    for rank in range(2):
+        for k in ks:
+            assert resumed[rank][k] == ranks[rank]["digests"][k:], f"rank {rank}, step {k}"

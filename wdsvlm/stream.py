@@ -1,0 +1,235 @@
+"""The Loader's worker side: one global worker's endless stream of batches, taken a fixed
+number of batches per epoch, and the state that resumes it exactly.
+
+A global worker reads its share of pass 0 over the data, then its share of pass 1, and so on,
+each pass in its own seeded order. A loader epoch takes a fixed number of batches from that
+stream (``len(loader)``, the same on every rank); whatever the epoch did not take (samples
+still in the buffers and the rest of the share) is where the next epoch goes on: carried
+over, never dropped. So across all ranks and workers every sample comes once per pass.
+
+Batch ``i`` of an epoch comes from the rank's DataLoader worker ``i % num_workers`` (the
+DataLoader's round-robin); each worker yields exactly its part of the epoch and stops.
+
+After each batch the worker notes its stream's state (``capture``): where reading stands (pass
+and position in the worker's reading order), and the places ``[pass, position]`` of the
+samples in the shuffle buffer, in the tokenizer's batch, in the packing window and in the packs
+waiting for a batch. A stream resumed from that state reads those samples again by their index
+offsets and carries on with the same batches, bit for bit; the cost is bounded by the buffer
+and window sizes, never a replay of the epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from torch.utils.data import IterableDataset
+
+from .collate import Collate
+from .errors import StorageError, WdsvlmError
+from .pack import BalanceBatches, Pack
+from .plan import Plan
+from .read import ReadSamples
+from .shuffle import Shuffle
+from .stats import SkipStats
+from .tokenize import Tokenize
+
+STATE_KEY = "_wdsvlm_state"  # ride on each batch from the worker; the Loader removes them
+STATS_KEY = "_wdsvlm_stats"
+
+
+def place(sample: dict) -> list[int]:
+    """A sample's place in its worker's stream: ``[pass, position]``."""
+    return [sample["__epoch__"], sample["__pos__"]]
+
+
+def fresh_state(epoch: int) -> dict:
+    """A stream's state at the start of pass ``epoch``, with empty buffers."""
+    return {
+        "read": [epoch, 0],
+        "shuffle": {"held": [], "draws": 0, "stream": None, "last": None},
+        "tokenize": [],
+        "window": {"places": [], "came": [], "emitted": 0, "ready": []},
+        "balance": [],
+    }
+
+
+def quota(done: int, total: int, workers: int, role: int) -> int:
+    """How many of the batches ``[done, total)`` come from worker ``role``, when batch ``i``
+    comes from worker ``i % workers``."""
+    first = done + (role - done) % workers
+    return 0 if first >= total else (total - 1 - first) // workers + 1
+
+
+class Stream(IterableDataset):
+    """The dataset a Loader hands its DataLoader: in each worker, that worker's part of the
+    epoch's batches, each with the worker's stream state and running stats attached.
+
+    ``job`` (set by the Loader before it starts workers) says which epoch, how many of its
+    batches were taken already (``done``) and each worker's stream state at that point.
+    Worker ``w`` then plays the stream ``(done + w) % num_workers``, so that a resumed epoch
+    goes on in the DataLoader's round-robin order. A persistent worker (or the training
+    process itself, without workers) keeps its stream between epochs and goes straight on
+    when the next epoch follows a whole one.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        read: ReadSamples,
+        shuffle: Shuffle,
+        tokenize: Tokenize,
+        pack: Pack,
+        balance: BalanceBatches,
+        collate: Collate,
+        skips: SkipStats,
+        batches_per_epoch: int,
+    ):
+        super().__init__()
+        self.plan = plan
+        self.read = read
+        self.shuffle = shuffle
+        self.tokenize = tokenize
+        self.pack = pack
+        self.balance = balance
+        self.collate = collate
+        self.skips = skips
+        self.batches_per_epoch = batches_per_epoch
+        self.job: dict[str, Any] = {
+            "epoch": 0,
+            "done": 0,
+            "states": [fresh_state(0)] * self.workers,
+        }
+        self._live: dict | None = None
+
+    @property
+    def workers(self) -> int:
+        return self.plan.worker_config.workers_per_rank
+
+    def forget(self) -> None:
+        """Drop the running stream: the next epoch starts from ``job``."""
+        self._live = None
+
+    def __iter__(self) -> Iterator[dict]:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        epoch = self.plan.epoch
+        live = self._live
+        if live and live["epoch"] == epoch - 1 and live["left"] == 0 and live["role"] == worker:
+            live["epoch"] = epoch  # the next epoch follows a whole one: go straight on
+            live["left"] = quota(0, self.batches_per_epoch, self.workers, worker)
+        else:
+            job = self.job
+            if job["epoch"] != epoch:
+                raise WdsvlmError(
+                    f"the loader asked for epoch {epoch} but set up epoch {job['epoch']}"
+                )
+            role = (job["done"] + worker) % self.workers
+            live = self._live = self._start(role, epoch, job["states"][role])
+            live["left"] = quota(job["done"], self.batches_per_epoch, self.workers, role)
+        self.skips.reset()  # the stats are per epoch
+        self.pack.pack_stats.reset()
+        self.balance.figures = [0, 0, 0]
+        while live["left"] > 0:
+            batch = next(live["batches"], None)
+            if batch is None:  # the stream is endless: only a bug ends it
+                raise WdsvlmError(f"the stream of worker {live['role']} ended")
+            live["left"] -= 1
+            batch[STATE_KEY] = {"role": live["role"], "state": self.capture(live)}
+            batch[STATS_KEY] = {
+                "worker": live["role"],
+                "skips": self.skips.as_dict(examples=10),  # rides on every batch: keep it small
+                "packing": self.pack.pack_stats.as_dict(),
+                "tokens": self.pack.pack_stats.tokens,
+                "capacity": self.pack.pack_stats.capacity,
+                "batch_tiles": list(self.balance.figures),
+            }
+            yield batch
+
+    def _start(self, role: int, epoch: int, state: dict) -> dict:
+        """The stream of worker ``role`` from ``state`` (``fresh_state``, or a captured one:
+        the samples its buffers held are read again)."""
+        worker = self.plan.worker_config.global_worker(role)
+        held = state["shuffle"]["held"]
+        window = state["window"]["places"]
+        packs = state["window"]["ready"] + state["balance"]
+        again = self._read_again(
+            worker, held + state["tokenize"] + window + [p for pack in packs for p in pack]
+        )
+        stages: Iterator = self.read(self._spans(worker, *state["read"]))
+        stages = self.shuffle(
+            stages, resume={**state["shuffle"], "held": [again[tuple(p)] for p in held]}
+        )
+        stages = self.tokenize(stages, resume=[again[tuple(p)] for p in state["tokenize"]])
+        stages = self.pack(
+            stages,
+            resume={
+                "waiting": self._tokenized([again[tuple(p)] for p in window]),
+                "came": state["window"]["came"],
+                "emitted": state["window"]["emitted"],
+                "ready": [
+                    self._tokenized([again[tuple(p)] for p in pack])
+                    for pack in state["window"]["ready"]
+                ],
+            },
+        )
+        waiting = [
+            [self.pack.fit(s)[0] for s in self._tokenized([again[tuple(p)] for p in pack])]
+            for pack in state["balance"]
+        ]
+        stages = self.balance(stages, resume=waiting)
+        return {
+            "role": role,
+            "epoch": epoch,
+            "start": list(state["read"]),
+            "batches": map(self.collate, stages),
+        }
+
+    def _spans(self, worker: int, epoch: int, position: int) -> Iterator[dict]:
+        while True:  # pass after pass; every global worker has a share of each
+            yield from self.plan.spans(epoch, worker, position)
+            epoch, position = epoch + 1, 0
+
+    def _read_again(self, worker: int, places: Sequence[Sequence[int]]) -> dict[tuple, dict]:
+        """The samples at ``places``, read again through the index."""
+        by_pass: dict[int, list[int]] = {}
+        for p, position in places:
+            by_pass.setdefault(p, []).append(position)
+        out = {}
+        for p, positions in by_pass.items():
+            for sample in self.read(iter(self.plan.locate(p, worker, positions))):
+                out[(p, sample["__pos__"])] = sample
+        missing = [tuple(p) for p in places if tuple(p) not in out]
+        if missing:
+            raise StorageError(
+                f"cannot resume: {len(missing)} samples the saved state holds could not be "
+                f"read again (first: pass {missing[0][0]}, position {missing[0][1]} of global "
+                f"worker {worker}); see the skip stats"
+            )
+        return out
+
+    def _tokenized(self, samples: list[dict]) -> list[dict]:
+        out = self.tokenize.encode(samples)
+        if len(out) != len(samples):
+            raise WdsvlmError("cannot resume: a sample of the saved state no longer tokenizes")
+        return out
+
+    def capture(self, live: dict) -> dict:
+        """The stream's state now: small lists of places, no sample bytes."""
+        shuffle = self.shuffle.state()
+        last = shuffle["last"]
+        window = self.pack.state()
+        return {
+            "read": [last[0], last[1] + 1] if last and last[1] is not None else live["start"],
+            "shuffle": {**shuffle, "held": [place(s) for s in shuffle["held"]]},
+            "tokenize": [place(s) for s in self.tokenize.held()],
+            "window": {
+                "places": [place(s) for s in window["waiting"]],
+                "came": window["came"],
+                "emitted": window["emitted"],
+                "ready": [[place(s) for s in pack] for pack in window["ready"]],
+            },
+            "balance": [[place(s) for s in pack] for pack in self.balance.held()],
+        }
