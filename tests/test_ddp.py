@@ -70,8 +70,10 @@ def write_uneven(folder, sizes, tmp) -> str:
             name = f"p{s}-000000.tar"
             with open(os.path.join(folder, name), "wb") as f:
                 f.write(b"\0" * 1024)
-            shards.append({**shards[-1], "name": name, "samples": 0, "bytes": 1024, "entries": []})
-            shards[-1].pop("sha256", None)
+            digest = hashlib.sha256(b"\0" * 1024).hexdigest()
+            shards.append(
+                {"name": name, "samples": 0, "bytes": 1024, "sha256": digest, "entries": []}
+            )
     index["shards"] = shards
     index["totals"] = {**index["totals"], "samples": n, "shards": len(shards)}
     index["totals"]["images"] = n
@@ -206,3 +208,85 @@ def test_two_ranks_equal_steps_every_sample_once_per_pass_and_exact_resume(
     for rank in range(2):
         for k in ks:
             assert resumed[rank][k] == ranks[rank]["digests"][k:], f"rank {rank}, step {k}"
+
+
+def one_rank(data, rank, workers, epochs=2, **extra):
+    """Loader of rank ``rank`` of 2 (no process group: rank and world size given), run for
+    ``epochs``; its length and the ``(pass, key)`` of every sample it yielded."""
+    loader = wdsvlm.Loader(
+        data, TOKENIZER, num_workers=workers, rank=rank, world_size=2, **{**SETTINGS, **extra}
+    )
+    seen, steps = [], []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        n = 0
+        for batch in loader:
+            for keys, passes in zip(batch["sample_keys"], batch["sample_passes"], strict=True):
+                seen += [(p, k) for p, k in zip(passes, keys, strict=True)]
+            n += 1
+        steps.append(n)
+    return len(loader), steps, seen
+
+
+@pytest.mark.parametrize("sizes", [[13], [5, 0, 9]], ids=["one-shard", "an-empty-shard"])
+def test_one_shard_over_four_global_workers_and_an_empty_shard(tmp_path, sizes):
+    data = write_uneven(str(tmp_path / "ds"), sizes, str(tmp_path))
+    runs = [one_rank(data, rank, workers=2) for rank in range(2)]
+    assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1] == [runs[0][0]] * 2
+    seen = runs[0][2] + runs[1][2]
+    assert sorted(k for p, k in seen if p == 0) == all_keys(data)
+
+
+def test_more_global_workers_than_samples_is_refused_clearly(tmp_path):
+    data = write_uneven(str(tmp_path / "ds"), [3], str(tmp_path))
+    with pytest.raises(ValueError, match="3 samples for 4 global workers"):
+        wdsvlm.Loader(data, TOKENIZER, num_workers=2, rank=0, world_size=2)
+
+
+def test_a_restore_onto_another_topology_or_other_settings_is_refused(uneven):
+    loader = wdsvlm.Loader(uneven, TOKENIZER, num_workers=0, rank=1, world_size=2, **SETTINGS)
+    next(iter(loader))
+    state = loader.state_dict()
+    assert len(pickle.dumps(state)) < 20_000  # places, not sample bytes
+
+    def load(**change):
+        options = {"num_workers": 0, "rank": 1, "world_size": 2, **SETTINGS, **change}
+        wdsvlm.Loader(uneven, TOKENIZER, **options).load_state_dict(state)
+
+    load()  # the same topology and settings: fine
+    with pytest.raises(ValueError, match="num_workers 0 -> 2"):
+        load(num_workers=2)
+    with pytest.raises(ValueError, match="world_size 2 -> 1.*rank 1 -> 0|rank 1 -> 0.*world_size"):
+        load(rank=0, world_size=1)
+    with pytest.raises(ValueError, match="max_length 256 -> 512"):
+        load(max_length=512)
+    with pytest.raises(ValueError, match="seed"):
+        load(seed=4)
+
+
+def test_a_dead_worker_is_a_clear_error_not_a_hang():
+    import multiprocessing
+    import signal
+
+    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, num_workers=2, **SETTINGS)
+    batches = iter(loader)
+    next(batches)
+    workers = multiprocessing.active_children()
+    assert workers
+    os.kill(workers[0].pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="exited unexpectedly"):
+        for _ in batches:
+            pass
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_that_cannot_be_read_is_reported_with_its_url(tmp_path, workers):
+    import shutil
+
+    data = str(tmp_path / "ds")
+    shutil.copytree(EXAMPLE, data)
+    loader = wdsvlm.Loader(data, TOKENIZER, num_workers=workers, **SETTINGS)
+    os.remove(os.path.join(data, "shapes-000002.tar"))
+    with pytest.raises(wdsvlm.StorageError, match=r"ds/shapes-000002\.tar.*FileNotFoundError"):
+        for _ in loader:
+            pass

@@ -51,3 +51,25 @@ def test_readme_loader_example_runs(monkeypatch, capsys):
     # an epoch is about one pass over the 320 samples (the rest carried into the next)
     assert abs(scope["loader"].stats()["samples"] - 320) < 32
     assert "'fill': 0.9" in capsys.readouterr().out
+
+
+def test_readme_torchrun_loop_trains_and_resumes(tmp_path):
+    (code,) = readme_blocks(r"```python\n(# train_min.py\n.*?)```")
+    (tmp_path / "train_min.py").write_text(code)
+    os.symlink(os.path.join(REPO, "shards_example"), tmp_path / "shards_example")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    command = [torchrun, "--standalone", "--nproc_per_node=2", "train_min.py"]
+    runs = []
+    for epochs in ("1", "2"):
+        env = {**os.environ, "EPOCHS": epochs, "OMP_NUM_THREADS": "1"}
+        run = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs.append(run.stdout)
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", runs[0] + runs[1])]
+    assert losses and all(0 < x < 20 for x in losses)
+    assert "epoch 0 batch" in runs[0] and "epoch 1 batch" not in runs[0]
+    # the second run starts where the first one's checkpoint stands: the end of epoch 0
+    assert re.search(r"rank 0: resumed in epoch 0 after batch (\d+)", runs[1])
+    assert "epoch 1 batch" in runs[1] and "epoch 0 batch" not in runs[1]
