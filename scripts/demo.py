@@ -6,7 +6,7 @@
 2. Every sample streamed with plain `webdataset`, as any WebDataset reader would.
 3. A few samples read straight from their byte offsets in the index (what the loader's range
    reads and exact resume rely on), compared with the streamed ones.
-4. The main job: every sample streamed through wdsvlm.Loader into packed [4, 2048] batches,
+4. The main job: one epoch of wdsvlm.Loader, packed [4, 2048] batches,
    with the padding against naive pad-to-longest batching and the throughput.
 """
 
@@ -52,25 +52,27 @@ def stream_with_loader(source: str, tokenizer: str, max_length: int, batch_size:
 
     loader = Loader(source, tokenizer, max_length=max_length, batch_size=batch_size)
     started = time.perf_counter()
-    batches = samples = real = empty = 0
+    batches = real = 0
+    passes: dict[int, set] = {}
     for batch in loader:
         batches += 1
-        samples += sum(len(row) for row in batch["sample_keys"])
         real += int(batch["attention_mask"].sum())
-        empty += sum(not row for row in batch["sample_keys"])
+        for keys, of_pass in zip(batch["sample_keys"], batch["sample_passes"], strict=True):
+            for key, p in zip(keys, of_pass, strict=True):
+                passes.setdefault(p, set()).add(key)
     seconds = time.perf_counter() - started
     stats = loader.stats()
-    rows = batches * batch_size
-    in_rows = 1 - real / ((rows - empty) * max_length)
-    overall = 1 - real / (rows * max_length)
+    samples = sum(len(keys) for keys in passes.values())
+    carried = samples - len(passes[0])
+    padding = 1 - real / (batches * batch_size * max_length)
     print(
-        f"[4] wdsvlm.Loader: {samples} samples in {batches} batches of "
-        f"[{batch_size}, {max_length}], {stats['samples_per_pack']:.1f} samples per row"
+        f"[4] wdsvlm.Loader: one epoch is {batches} batches of [{batch_size}, {max_length}] "
+        f"(len(loader), the same on every rank): {len(passes[0])} of the {len(lengths)} "
+        f"samples of pass 0 and {carried} of pass 1, {stats['samples_per_pack']:.1f} samples "
+        "per row"
     )
     print(
-        f"    padding: {in_rows:.1%} of the packed rows ({overall:.1%} counting the {empty} "
-        f"empty rows of the last batch) vs {naive:.1%} naive pad-to-longest (batches of "
-        f"{batch_size})"
+        f"    padding: {padding:.1%} vs {naive:.1%} naive pad-to-longest (batches of {batch_size})"
     )
     print(
         f"    {samples / seconds:.0f} samples/s, {real / seconds:.0f} tokens/s in one process "

@@ -113,6 +113,10 @@ def _free_port() -> int:
 
 
 def _rank_main(rank, world, port, job):
+    import multiprocessing
+
+    # DataLoader workers start as under torchrun (fork), not as this spawned rank did
+    multiprocessing.set_start_method("fork", force=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -135,7 +139,7 @@ def ddp(job: dict, world: int = 2) -> list:
 def _train(rank, job):
     """The training loop of the README: set_epoch, iterate, all-reduce every step; the
     loader's state after every step is kept for the resume tests."""
-    loader = wdsvlm.Loader(job["data"], TOKENIZER, num_workers=job["workers"], **SETTINGS)
+    loader = wdsvlm.Loader(job["data"], TOKENIZER, **job["loader"], **SETTINGS)
     assert (loader.worker_config.rank, loader.worker_config.world_size) == (rank, 2)
     steps, seen, digests, states = [], [], [], []
     for epoch in range(job["epochs"]):
@@ -158,7 +162,7 @@ def _resume(rank, job):
     it (set_epoch with the saved epoch first); the digests of what follows."""
     out = {}
     for k, states in job["states"].items():
-        loader = wdsvlm.Loader(job["data"], TOKENIZER, num_workers=job["workers"], **SETTINGS)
+        loader = wdsvlm.Loader(job["data"], TOKENIZER, **job["loader"], **SETTINGS)
         state = states[rank]
         loader.load_state_dict(state)
         digests = []
@@ -172,12 +176,15 @@ def _resume(rank, job):
     return out
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize(
+    "workers,persistent", [(2, False), (3, True)], ids=["2-workers", "3-persistent-workers"]
+)
 def test_two_ranks_equal_steps_every_sample_once_per_pass_and_exact_resume(
-    uneven, tmp_path, workers
+    uneven, tmp_path, workers, persistent
 ):
     epochs = 3
-    job = {"run": _train, "data": uneven, "workers": workers, "epochs": epochs}
+    options = {"num_workers": workers, "persistent_workers": persistent}
+    job = {"run": _train, "data": uneven, "loader": options, "epochs": epochs}
     ranks = ddp({**job, "out": str(tmp_path)})
     length = ranks[0]["len"]
     for r in ranks:  # the same number of batches on every rank, and len() says it
@@ -191,15 +198,14 @@ def test_two_ranks_equal_steps_every_sample_once_per_pass_and_exact_resume(
         assert len(later) == len(set(later)), f"pass {p}"
 
     # resume: inside the first window, mid-epoch, right after an epoch boundary, near the end
-    total = epochs * length
-    ks = sorted({1, 3, length // 2, length, length + 1, total - 2})
+    ks = sorted({1, 3, length // 2, length, length + 1, epochs * length - 2})
     states = {k: [r["states"][k - 1] for r in ranks] for k in ks}
     assert states[length][0]["done"] == length  # the state right after epoch 0's last step
     resumed = ddp(
         {
             "run": _resume,
             "data": uneven,
-            "workers": workers,
+            "loader": options,
             "epochs": epochs,
             "states": states,
             "out": str(tmp_path),

@@ -48,8 +48,8 @@ def test_readme_pipeline_example_runs(monkeypatch):
 def test_readme_loader_example_runs(monkeypatch, capsys):
     pattern = r"```python\n(import wdsvlm\n\nloader = wdsvlm.Loader\(.*?)```"
     scope = run_python_example(pattern, monkeypatch)
-    # an epoch is about one pass over the 320 samples (the rest carried into the next)
-    assert abs(scope["loader"].stats()["samples"] - 320) < 32
+    # an epoch is one pass over the 320 samples and a little of the next (carried over)
+    assert 320 <= scope["loader"].stats()["samples"] <= 1.25 * 320
     assert "'fill': 0.9" in capsys.readouterr().out
 
 

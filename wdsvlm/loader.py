@@ -258,8 +258,9 @@ class Loader:
         """Batches of one pass per rank, from the index alone plus a few samples: image
         tokens and tiles are exact (index sizes), text tokens are the characters scaled by
         the characters per token measured on up to 32 samples spread over the dataset (the
-        same ones on every rank), samples that cannot fit are left out, and packs are taken
-        as 97% full of tokens and of tiles. Every rank computes the same number."""
+        same ones on every rank), samples that cannot fit are left out, packs are taken as 97%
+        full of tokens and of tiles, and each worker gets one batch more for the packs left at
+        the end of a pass. Every rank computes the same number."""
         entries = [e for shard in self.plan.index["shards"] for e in shard["entries"]]
         per_text_token = self._characters_per_token(entries[:: max(1, len(entries) // 32)])
         per_tile = self.tokenize.tokens_per_tile
@@ -279,7 +280,9 @@ class Loader:
         packs = tokens / (self.max_length * 0.97)
         if tile_budget:
             packs = max(packs, tiles / (tile_budget * 0.97))
-        return max(1, math.ceil(packs / self.worker_config.world_size / self.batch_size))
+        batches = math.ceil(packs / self.worker_config.world_size / self.batch_size)
+        # and one batch per worker for the few packs each leaves at the end of a pass
+        return batches + self.worker_config.workers_per_rank
 
     def _characters_per_token(self, entries: list[dict]) -> float:
         """Characters of text (the index's ``chars``) per text token, template included,

@@ -326,6 +326,10 @@ class Pack:
         }
 
 
+def _epoch_of(pack: list[dict]):
+    return pack[0].get("__epoch__") if pack else None
+
+
 def choose_batch(tiles: Sequence[int], batch_size: int, target: float) -> list[int]:
     """Indices of ``batch_size`` packs (of those waiting, oldest first) whose tiles add up
     close to ``target``: the oldest pack, then each time the pack that brings the running sum
@@ -349,7 +353,9 @@ class BalanceBatches:
 
     Holds up to ``spread * batch_size`` packs and forms each batch around the mean tiles of
     what it holds (``choose_batch``); packs keep their fill, only their grouping changes. The
-    oldest pack always goes into the next batch, so no pack waits long. ``cv`` is the
+    oldest pack always goes into the next batch, so no pack waits long. When packs of a new
+    ``__epoch__`` arrive, the last epoch's packs are batched among themselves first (fewer
+    than ``batch_size`` left over join the new epoch's batches). ``cv`` is the
     coefficient of variation of tiles per full batch so far.
     """
 
@@ -373,23 +379,34 @@ class BalanceBatches:
         return self._run(packs, self._held)
 
     def _run(self, packs: Iterator[list[dict]], held: list) -> Iterator[list[list[dict]]]:
-        for pack in packs:
-            held.append((pack, sum(sum(s["image_tiles"]) for s in pack)))
-            if len(held) >= self.spread * self.batch_size:
-                yield self._take(held)
+        # Decided afresh before each pull from what is held, so a resumed stage that holds
+        # the same packs goes on the same way.
+        while True:
+            newest = _epoch_of(held[-1][0]) if held else None
+            older = [i for i, (pack, _) in enumerate(held) if _epoch_of(pack) != newest]
+            if len(older) >= self.batch_size:  # a new epoch began: batch the last one's first
+                yield self._take(held, older)
+            elif len(held) >= self.spread * self.batch_size:
+                yield self._take(held, range(len(held)))
+            else:
+                pack = next(packs, None)
+                if pack is None:
+                    break
+                held.append((pack, sum(sum(s["image_tiles"]) for s in pack)))
         while held:
-            yield self._take(held)
+            yield self._take(held, range(len(held)))
 
     def held(self) -> list[list[dict]]:
         """The packs waiting for a batch, oldest first."""
         return [pack for pack, _ in getattr(self, "_held", [])]
 
-    def _take(self, held: list) -> list[list[dict]]:
-        tiles = [t for _, t in held]
+    def _take(self, held: list, among: Sequence[int]) -> list[list[dict]]:
+        among = list(among)
+        tiles = [held[i][1] for i in among]
         target = sum(tiles) / len(tiles) * self.batch_size
-        chosen = choose_batch(tiles, self.batch_size, target)
+        chosen = sorted(among[i] for i in choose_batch(tiles, self.batch_size, target))
         if len(chosen) == self.batch_size:
-            total = sum(tiles[i] for i in chosen)
+            total = sum(held[i][1] for i in chosen)
             self.figures[0] += 1
             self.figures[1] += total
             self.figures[2] += total * total
