@@ -130,16 +130,12 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
     raise RuntimeError(f"server at {url} did not come up in {timeout} s")
 
 
-@pytest.fixture(scope="session")
-def moto_server():
-    """A real moto S3 server process on 127.0.0.1; yields its endpoint URL."""
-    exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
+def _serve(args: list[str]):
+    """Run the server ``args`` (with ``PORT`` in them) on 127.0.0.1 until the generator is
+    closed; yields its endpoint URL once it answers."""
     port = _free_port()
-    proc = subprocess.Popen(
-        [exe, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    args = [str(port) if a == "PORT" else a for a in args]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
     try:
         _wait_http(endpoint, proc)
@@ -147,6 +143,13 @@ def moto_server():
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """A real moto S3 server process on 127.0.0.1; yields its endpoint URL."""
+    exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
+    yield from _serve([exe, "-H", "127.0.0.1", "-p", "PORT"])
 
 
 @pytest.fixture
@@ -174,3 +177,30 @@ def read_image_bytes(path: str) -> bytes:
 
 def decode(data: bytes) -> Image.Image:
     return Image.open(io.BytesIO(data))
+
+
+# gcsfs probes a bucket's type over gRPC, which the emulator does not speak (each probe then
+# waits 60 s); this turns the probe off. It must be set before gcsfs is imported.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """A real gcp-storage-emulator server process on 127.0.0.1; yields its endpoint URL."""
+    exe = os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator")
+    data = str(tmp_path_factory.mktemp("gcs"))
+    yield from _serve(
+        [exe, "-d", data, "start", "--host", "127.0.0.1", "--port", "PORT", "-q", "-M"]
+    )
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server):
+    """A new, empty bucket on the emulator; yields ``(gs URL, storage_options)``."""
+    import gcsfs
+
+    options = {"endpoint_url": gcs_server, "token": "anon", "project": "test"}
+    fs = gcsfs.GCSFileSystem(**options)
+    bucket = f"bucket-{time.monotonic_ns()}"
+    fs.mkdir(bucket)
+    return f"gs://{bucket}", options

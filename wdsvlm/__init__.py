@@ -11,6 +11,7 @@ from .errors import (
     BadInputError,
     DatasetExistsError,
     InputError,
+    ObjectNotFoundError,
     ShardFormatError,
     StorageError,
     TemplateError,
@@ -36,6 +37,7 @@ _LAZY = {
     "Collate": "collate",
     "block_causal_mask": "collate",
     "Loader": "loader",
+    "ReadPolicy": "storage",
 }
 
 
@@ -49,6 +51,7 @@ __all__ = [
     "BadInputError",
     "DatasetExistsError",
     "InputError",
+    "ObjectNotFoundError",
     "ShardFormatError",
     "StorageError",
     "TemplateError",

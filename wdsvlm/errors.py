@@ -51,6 +51,10 @@ class StorageError(WdsvlmError):
     """Reading from or writing to a file or bucket failed."""
 
 
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """A file or object that is not there (a permanent fault: never retried)."""
+
+
 class DatasetExistsError(WdsvlmError):
     """The writer's output already holds a dataset and overwriting was not asked for."""
 

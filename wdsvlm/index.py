@@ -36,11 +36,12 @@ def dumps_index(index: Mapping[str, Any]) -> bytes:
     return (json.dumps(index, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
 
 
-def load_index(source: str, storage_options: Mapping[str, Any] | None = None) -> dict:
-    """Read and check ``index.json`` of the dataset folder or URL prefix ``source``."""
+def load_index(source: str, storage_options: Mapping[str, Any] | None = None, policy=None) -> dict:
+    """Read and check ``index.json`` of the dataset folder or URL prefix ``source``
+    (``policy``: the ``storage.ReadPolicy`` of the read)."""
     url = join(source, INDEX_NAME)
     try:
-        data = read_bytes(url, storage_options)
+        data = read_bytes(url, storage_options, policy)
     except FileNotFoundError:
         raise ShardFormatError(
             f"{url} not found: {source} is not a wdsvlm dataset (write one with `wdsvlm write`)"

@@ -29,6 +29,7 @@ from .plan import Plan, WorkerConfig
 from .read import ReadSamples
 from .shuffle import Shuffle
 from .stats import SkipStats
+from .storage import ReadPolicy
 from .stream import STATE_KEY, STATS_KEY, Stream, fresh_state
 from .tokenize import Tokenize
 
@@ -42,6 +43,10 @@ class Loader:
 
     ``source``: a dataset folder or URL (``s3://``, ``gs://``, ...) or brace-expanded tar URLs.
     ``tokenizer``: a Hugging Face tokenizer, or a name/path for ``AutoTokenizer``.
+    ``storage_options`` go to fsspec; ``read_policy`` (``wdsvlm.ReadPolicy``) sets the block
+    size, retries, backoff and timeout of ranged reads, ``read_ahead`` how many spans each
+    worker reads ahead, and ``on_shard_error="skip"`` reports an unreadable shard's samples as
+    skipped instead of raising.
     ``shuffle_buffer`` is in samples, ``shuffle_bytes`` bounds it in bytes; ``pack_window``
     is the packer's window in samples. ``max_tiles_per_batch`` caps every pack at its share,
     ``max_tiles_per_batch // batch_size`` tiles, so that no batch can pass it. rank and world
@@ -79,6 +84,9 @@ class Loader:
         truncate: bool = False,
         batches_per_epoch: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        read_policy: ReadPolicy | None = None,
+        read_ahead: int = 2,
+        on_shard_error: str = "raise",
         pin_memory: bool = False,
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
@@ -105,7 +113,11 @@ class Loader:
         self.image_config = ImageConfig(tile_size, max_image_side, upscale)
         self._skips = SkipStats(max_consecutive_failures)
         self.plan = Plan(
-            source, seed=seed, worker_config=self.worker_config, storage_options=storage_options
+            source,
+            seed=seed,
+            worker_config=self.worker_config,
+            storage_options=storage_options,
+            read_policy=read_policy,
         )
         if self.plan.num_samples < self.worker_config.global_workers:
             raise ValueError(
@@ -145,6 +157,7 @@ class Loader:
         )
         self.balance = BalanceBatches(batch_size)
         self._storage_options = storage_options
+        self._read_policy = read_policy
         # a multiple of the workers, so that each gives the same number of batches an epoch
         # and none falls behind the others epoch after epoch
         workers = self.worker_config.workers_per_rank
@@ -153,7 +166,13 @@ class Loader:
         )
         self.stream = Stream(
             self.plan,
-            ReadSamples(storage_options, stats=self._skips),
+            ReadSamples(
+                storage_options,
+                stats=self._skips,
+                policy=read_policy,
+                read_ahead=read_ahead,
+                on_shard_error=on_shard_error,
+            ),
             Shuffle(shuffle_buffer, shuffle_bytes, seed),
             self.tokenize,
             self.pack,
@@ -304,7 +323,10 @@ class Loader:
                         }
                     )
         quiet = SkipStats()  # a bad sample here is found again, and counted, when it is read
-        samples = list(ReadSamples(self._storage_options, stats=quiet)(iter(spans)))
+        read = ReadSamples(
+            self._storage_options, stats=quiet, policy=self._read_policy, on_shard_error="skip"
+        )
+        samples = list(read(iter(spans)))
         tokenize = copy.copy(self.tokenize)
         tokenize.stats = quiet
         chars = text = 0
@@ -356,6 +378,17 @@ class Loader:
         yielded[1] += sum(len(row) for row in batch["sample_keys"])
         yielded[2] += int(batch["attention_mask"].sum())
         yielded[3] += int(batch["image_tiles"].sum())
+
+    def close(self) -> None:
+        """Stop the workers and any read-ahead thread now (also done when the loader goes)."""
+        self.stream.forget()
+        self._reusable = False
+        self._dataloader = None
+
+    def __del__(self):
+        stream = getattr(self, "stream", None)
+        if stream is not None:
+            stream.forget()
 
     def state_dict(self) -> dict:
         """Where this rank's loader stands: the epoch, the batches of it taken so far, and

@@ -167,7 +167,7 @@ def _cut_spans(shard: int, entries: Sequence[dict], wanted: list[int], span_byte
 
 
 def resolve_source(
-    source: str | Sequence[str], storage_options: Mapping[str, Any] | None = None
+    source: str | Sequence[str], storage_options: Mapping[str, Any] | None = None, policy=None
 ) -> tuple[dict, list[str]]:
     """The index of ``source`` and the URL of each of its shards.
 
@@ -177,7 +177,7 @@ def resolve_source(
     scanned once to build the index in memory.
     """
     if isinstance(source, str) and not source.endswith(".tar"):
-        index = load_index(source, storage_options)
+        index = load_index(source, storage_options, policy)
         return index, [join(source, s["name"]) for s in index["shards"]]
     urls = _expand(source)
     folder = urls[0].rsplit("/", 1)[0] if "/" in urls[0] else "."
@@ -185,7 +185,7 @@ def resolve_source(
     full = None
     if same_folder:
         try:
-            full = load_index(folder, storage_options)
+            full = load_index(folder, storage_options, policy)
         except ShardFormatError as e:  # no usable index beside the shards: scan them instead
             log.debug("no index beside %s (%s)", urls[0], e)
     if full is not None:
@@ -224,9 +224,10 @@ class Plan(IterableDataset):
         worker_config: WorkerConfig | None = None,
         span_bytes: int = 8 * 2**20,
         storage_options: Mapping[str, Any] | None = None,
+        read_policy=None,
     ):
         super().__init__()
-        self.index, self.urls = resolve_source(source, storage_options)
+        self.index, self.urls = resolve_source(source, storage_options, read_policy)
         self.seed = seed
         self._epoch = epoch
         self.worker_config = worker_config or WorkerConfig.from_environment()

@@ -1,20 +1,28 @@
 """Read: spans of the plan in, samples (tar members by name) out.
 
-Each span is one ranged read of a shard through fsspec; the samples inside it are cut out by
-their index offsets. Nothing stays open between spans. A sample whose bytes are cut short (a
-truncated shard) or do not parse as tar members of its key is skipped and counted.
+Each span is one ranged read of a shard through fsspec (``storage.read_range``: in blocks,
+retried where a transient fault broke it); the samples inside it are cut out by their index
+offsets. A background thread reads up to ``read_ahead`` spans ahead, so I/O overlaps the
+decoding downstream; nothing stays open between spans, and the thread ends with the stage.
+A sample whose bytes are cut short (a truncated shard) or do not parse as tar members of its
+key is skipped and counted. A shard that cannot be read raises ``StorageError`` naming it, or
+with ``on_shard_error="skip"`` has its samples counted as skipped (``unreadable_shard``).
 """
 
 from __future__ import annotations
 
+import queue
 import tarfile
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .errors import StorageError
 from .stats import SkipStats
-from .storage import filesystem
+from .storage import ReadPolicy, read_range
 from .tarball import tar_members
+
+_DONE = object()
 
 
 class ReadSamples:
@@ -31,20 +39,83 @@ class ReadSamples:
         storage_options: Mapping[str, Any] | None = None,
         *,
         stats: SkipStats | None = None,
+        policy: ReadPolicy | None = None,
+        read_ahead: int = 2,
+        on_shard_error: str = "raise",
     ):
+        if on_shard_error not in ("raise", "skip"):
+            raise ValueError(f"on_shard_error must be 'raise' or 'skip', not {on_shard_error!r}")
+        if read_ahead < 0:
+            raise ValueError(f"read_ahead must be >= 0, not {read_ahead}")
         self.storage_options = dict(storage_options or {})
         self.stats = stats if stats is not None else SkipStats()
+        self.policy = policy or ReadPolicy()
+        self.read_ahead = read_ahead
+        self.on_shard_error = on_shard_error
+
+    def _read(self, span: dict) -> bytes | StorageError:
+        try:
+            return read_range(
+                span["url"], span["start"], span["stop"], self.storage_options, self.policy
+            )
+        except StorageError as e:
+            return e
+
+    def _fetched(self, spans: Iterator[dict]) -> Iterator[tuple[dict, bytes | StorageError]]:
+        """``(span, its bytes or the error)`` in order, read ahead by a background thread."""
+        if not self.read_ahead:
+            for span in spans:
+                yield span, self._read(span)
+            return
+        ready: queue.Queue = queue.Queue(maxsize=self.read_ahead)
+        stop = threading.Event()
+
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def run():
+            try:
+                for span in spans:
+                    if not put((span, self._read(span))):
+                        return
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+                put((None, e))
+                return
+            put((_DONE, None))
+
+        thread = threading.Thread(target=run, name="wdsvlm-read-ahead", daemon=True)
+        thread.start()
+        try:
+            while True:
+                span, data = ready.get()
+                if span is _DONE:
+                    return
+                if span is None:
+                    raise data
+                yield span, data
+        finally:
+            stop.set()
+            thread.join()
 
     def __call__(self, spans: Iterator[dict]) -> Iterator[dict]:
-        for span in spans:
-            fs, path = filesystem(span["url"], self.storage_options)
-            try:
-                data = fs.cat_file(path, start=span["start"], end=span["stop"])
-            except OSError as e:  # a missing or unreadable shard is a fault, not a bad sample
-                raise StorageError(
-                    f"{span['url']}: cannot read bytes {span['start']}-{span['stop']} "
-                    f"(shard {span['shard']}): {type(e).__name__}: {e}"
-                ) from e
+        failed: set[str] = set()
+        for span, data in self._fetched(spans):
+            if span["url"] in failed:
+                data = StorageError(f"{span['url']}: skipped after an earlier failure")
+            if isinstance(data, StorageError):
+                if self.on_shard_error == "raise":
+                    raise data  # it names the shard's URL, the byte and the cause
+                failed.add(span["url"])
+                for entry in span["entries"]:
+                    sample = {"__key__": entry["key"], "__shard__": span["shard"]}
+                    self.stats.skip("read", "unreadable_shard", sample, str(data), streak=False)
+                continue
             positions = span.get("positions") or [None] * len(span["entries"])
             for entry, position in zip(span["entries"], positions, strict=True):
                 sample = {

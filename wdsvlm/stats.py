@@ -28,8 +28,12 @@ class SkipStats:
         self.examples: dict[str, list[str]] = {}
         self._in_a_row: Counter[str] = Counter()
 
-    def skip(self, stage: str, reason: str, sample: dict, detail: str) -> None:
-        """Count one skipped sample (a dict with ``__shard__`` and ``__key__``)."""
+    def skip(
+        self, stage: str, reason: str, sample: dict, detail: str, *, streak: bool = True
+    ) -> None:
+        """Count one skipped sample (a dict with ``__shard__`` and ``__key__``); ``streak``:
+        whether it counts towards the cap on failures in a row (not for samples skipped
+        because their whole shard could not be read, which is reported once)."""
         where = f"{sample.get('__shard__', '?')}/{sample.get('__key__', '?')}"
         self.counts[reason] += 1
         examples = self.examples.setdefault(reason, [])
@@ -43,6 +47,8 @@ class SkipStats:
                 detail,
                 reason,
             )
+        if not streak:
+            return
         self._in_a_row[stage] += 1
         if self._in_a_row[stage] >= self.max_consecutive:
             raise TooManyFailuresError(

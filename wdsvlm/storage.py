@@ -7,15 +7,23 @@ profile, ...). Credentials come from each backend's standard chain.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import random
 import tempfile
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.core import url_to_fs
 
-from .errors import StorageError
+from .errors import ObjectNotFoundError, StorageError
+
+log = logging.getLogger("wdsvlm.storage")
 
 
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None):
@@ -39,13 +47,15 @@ def join(base: str, name: str) -> str:
     return os.path.join(base, name)
 
 
-def read_bytes(url: str, storage_options: Mapping[str, Any] | None = None) -> bytes:
-    """The whole content of one file or object."""
+def read_bytes(
+    url: str, storage_options: Mapping[str, Any] | None = None, policy: ReadPolicy | None = None
+) -> bytes:
+    """The whole content of one file or object (a small one: ``index.json``), asked for again
+    on transient errors as ``read_range`` does."""
     if "://" not in url:
         with open(url, "rb") as f:
             return f.read()
-    fs, path = filesystem(url, storage_options)
-    return fs.cat_file(path)
+    return read_range(url, 0, None, storage_options, policy)
 
 
 def exists(url: str, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -110,3 +120,119 @@ def list_names(url: str, storage_options: Mapping[str, Any] | None = None) -> li
         return sorted(os.path.basename(p.rstrip("/")) for p in fs.ls(path, detail=False))
     except FileNotFoundError:
         return []
+
+
+@dataclass(frozen=True)
+class ReadPolicy:
+    """How ranged reads fetch bytes and live through network faults."""
+
+    block_bytes: int = 4 * 2**20
+    """Bytes fetched per request; a request that breaks is tried again from its first byte."""
+    attempts: int = 6
+    """Tries of one block before giving up on a transient error (permanent ones: at once)."""
+    backoff: float = 0.1
+    """Seconds before the first retry; doubled each time, with jitter, up to ``max_backoff``."""
+    max_backoff: float = 5.0
+    timeout: float = 60.0
+    """Seconds one request may take (a stalled one then counts as a transient failure)."""
+
+    def __post_init__(self):
+        if self.block_bytes < 1 or self.attempts < 1 or self.timeout <= 0:
+            raise ValueError(f"invalid read policy: {self}")
+
+
+# Answers that will not change by asking again.
+_PERMANENT_CODES = (
+    "NoSuchBucket",
+    "NoSuchKey",
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "403",
+    "404",
+    "Forbidden",
+    "Not Found",
+)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether asking again may succeed: connection resets and refusals, timeouts, throttling
+    and 5xx answers yes; missing objects or buckets and refused access no."""
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        return False
+    status = getattr(error, "status", None) or getattr(error, "code", None)
+    if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+        return False
+    text = f"{type(error).__name__}: {error}"
+    return not any(code in text for code in _PERMANENT_CODES)
+
+
+def read_range(
+    url: str,
+    start: int,
+    stop: int | None,
+    storage_options: Mapping[str, Any] | None = None,
+    policy: ReadPolicy | None = None,
+) -> bytes:
+    """Bytes ``[start, stop)`` of ``url``, fetched ``policy.block_bytes`` at a time.
+
+    A block whose request fails with a transient error (``is_transient``) is asked for again
+    after a backoff with jitter, from the first byte not yet received: the read goes on where
+    it broke, never from the start of the object, and returns whole or raises. A permanent
+    error, or a block that fails ``policy.attempts`` times, raises ``StorageError`` naming the
+    URL, the byte offset and the cause. Fewer bytes than asked mean the object ends early.
+    ``stop=None``: to the end of the object, in one request.
+    """
+    policy = policy or ReadPolicy()
+    fs, path = filesystem(url, storage_options)
+    out = bytearray()
+    at, failures = start, 0
+    while stop is None or at < stop:
+        end = None if stop is None else min(stop, at + policy.block_bytes)
+        try:
+            data = _fetch(fs, path, at, end, policy.timeout)
+        except Exception as e:  # noqa: BLE001 - classified below; every path re-raises or retries
+            cause = f"{type(e).__name__}: {e}".strip()
+            if not is_transient(e):
+                kind = ObjectNotFoundError if isinstance(e, FileNotFoundError) else StorageError
+                raise kind(f"{url}: cannot read from byte {at}: {cause}") from e
+            failures += 1
+            if failures >= policy.attempts:
+                raise StorageError(
+                    f"{url}: gave up at byte {at} after {failures} attempts; last: {cause}"
+                ) from e
+            log.info("%s: retrying from byte %d (%s)", url, at, cause)
+            wait = min(policy.max_backoff, policy.backoff * 2 ** (failures - 1))
+            time.sleep(wait * (0.5 + random.random()))
+            continue
+        if not data:
+            break  # the object ends before stop
+        out += data
+        at += len(data)
+        failures = 0
+        if stop is None:
+            break
+    return bytes(out)
+
+
+def _ignore_outcome(task) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved, so that asyncio does not log it as never retrieved
+
+
+def _fetch(fs, path: str, start: int, end: int | None, timeout: float) -> bytes:
+    if isinstance(fs, AsyncFileSystem) and getattr(fs, "loop", None) is not None:
+        # On fsspec's own event loop, with a deadline that cancels the request: a stalled
+        # one fails (and lets go of its connection) instead of hanging the worker and the
+        # training job behind it.
+        async def within_deadline():
+            task = asyncio.ensure_future(fs._cat_file(path, start=start, end=end))
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if not done:  # cancelled, not awaited: a stalled connection may take long to let go
+                task.cancel()
+                task.add_done_callback(_ignore_outcome)
+                raise TimeoutError(f"no answer in {timeout} s")
+            return task.result()
+
+        return sync(fs.loop, within_deadline)
+    return fs.cat_file(path, start=start, end=end)

@@ -107,8 +107,11 @@ class Stream(IterableDataset):
         return self.plan.worker_config.workers_per_rank
 
     def forget(self) -> None:
-        """Drop the running stream: the next epoch starts from ``job``."""
-        self._live = None
+        """Drop the running stream (its read-ahead thread stops now): the next epoch starts
+        from ``job``."""
+        live, self._live = self._live, None
+        if live is not None:
+            live["reader"].close()
 
     def __iter__(self) -> Iterator[dict]:
         from torch.utils.data import get_worker_info
@@ -158,9 +161,9 @@ class Stream(IterableDataset):
         again = self._read_again(
             worker, held + state["tokenize"] + window + [p for pack in packs for p in pack]
         )
-        stages: Iterator = self.read(self._spans(worker, *state["read"]))
+        reader = self.read(self._spans(worker, *state["read"]))
         stages = self.shuffle(
-            stages, resume={**state["shuffle"], "held": [again[tuple(p)] for p in held]}
+            reader, resume={**state["shuffle"], "held": [again[tuple(p)] for p in held]}
         )
         stages = self.tokenize(stages, resume=[again[tuple(p)] for p in state["tokenize"]])
         stages = self.pack(
@@ -185,6 +188,7 @@ class Stream(IterableDataset):
             "epoch": epoch,
             "start": list(state["read"]),
             "batches": map(self.collate, stages),
+            "reader": reader,
         }
 
     def _spans(self, worker: int, epoch: int, position: int) -> Iterator[dict]:

@@ -24,7 +24,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .errors import BadInputError, DatasetExistsError, InputError
+from .errors import BadInputError, DatasetExistsError, InputError, StorageError
 from .images import UnreadableImage, probe_image, stored_bytes
 from .index import (
     FORMAT,
@@ -218,7 +218,7 @@ def check_record(
             data = read_bytes(path, storage_options)
         except FileNotFoundError:
             return InputError(where, "missing_image", f"image file {path} not found")
-        except OSError as e:
+        except (OSError, StorageError) as e:
             return InputError(where, "unreadable_image", f"image file {path} cannot be read: {e}")
         try:
             info = probe_image(data)

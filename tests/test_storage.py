@@ -1,0 +1,223 @@
+"""Object storage for real: datasets written to and streamed from a moto S3 server and the
+GCS emulator (real server processes on 127.0.0.1), and network faults injected by a proxy
+between the client and the S3 server."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import fsspec
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+
+import wdsvlm
+from wdsvlm.storage import ReadPolicy, is_transient, read_range
+
+from .conftest import EXAMPLE
+from .faults import FaultProxy
+from .test_ddp import digest
+
+TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
+SMALL = {
+    "max_length": 1024,
+    "batch_size": 2,
+    "tile_size": 64,
+    "max_image_side": 128,
+    "tokens_per_tile": 8,
+    "shuffle_buffer": 50,
+    "pack_window": 50,
+}
+QUICK = ReadPolicy(block_bytes=128 * 1024, attempts=8, backoff=0.01, max_backoff=0.1, timeout=0.5)
+
+
+def batches_of(source, storage_options=None, **options) -> list[str]:
+    loader = wdsvlm.Loader(
+        source, TOKENIZER, storage_options=storage_options, **{**SMALL, **options}
+    )
+    return [digest(b) for b in loader]
+
+
+def upload(folder: str, url: str, options: dict) -> None:
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".tar") or name == "index.json":
+            fs.put_file(os.path.join(folder, name), f"{path}/{name}")
+
+
+def cli_write(inputs, image_root, output, options) -> None:
+    command = [sys.executable, "-m", "wdsvlm.cli", "write", "--input", inputs]
+    command += ["--image-root", image_root, "--output", output, "-q"]
+    if options:
+        import json
+
+        command += ["--storage-options", json.dumps(options)]
+    run = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+
+
+@pytest.fixture(scope="module")
+def local_batches():
+    return batches_of(EXAMPLE)
+
+
+@pytest.mark.parametrize("store", ["s3_bucket", "gcs_bucket"])
+def test_write_to_a_bucket_with_the_cli_and_stream_it_back_identical(
+    llava_input, tmp_path, request, store
+):
+    path, root, _ = llava_input
+    bucket, options = request.getfixturevalue(store)
+    cli_write(path, root, str(tmp_path / "local"), None)
+    cli_write(path, root, f"{bucket}/ds", options)
+    remote = batches_of(f"{bucket}/ds", options, max_length=512, batch_size=2)
+    assert remote == batches_of(str(tmp_path / "local"), max_length=512, batch_size=2)
+    assert len(remote) > 0
+
+
+def test_example_from_gcs_matches_local(gcs_bucket, local_batches):
+    bucket, options = gcs_bucket
+    upload(EXAMPLE, f"{bucket}/example", options)
+    assert batches_of(f"{bucket}/example", options) == local_batches
+
+
+@pytest.fixture
+def proxied(s3_bucket, moto_server):
+    """shards_example in a bucket, and storage options that reach it through a FaultProxy."""
+    bucket, options = s3_bucket
+    upload(EXAMPLE, f"{bucket}/example", options)
+    proxy = FaultProxy(int(moto_server.rsplit(":", 1)[1]))
+    through = {
+        "client_kwargs": {"endpoint_url": proxy.endpoint},
+        # botocore's own retries off: what reaches wdsvlm is what the network did
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    yield f"{bucket}/example", through, proxy
+    proxy.close()
+
+
+def resources() -> tuple[int, int, int]:
+    return (
+        len(os.listdir("/proc/self/fd")),
+        sum(t.name != "fault-proxy" for t in threading.enumerate()),
+        len(multiprocessing.active_children()),
+    )
+
+
+def test_batches_through_cuts_503s_and_stalls_are_identical_and_nothing_leaks(
+    proxied, local_batches
+):
+    url, options, proxy = proxied
+    assert batches_of(url, options, read_policy=QUICK) == local_batches  # warm: pools, loop
+    before = resources()
+    proxy.error, proxy.cut, proxy.stall = 0.15, 0.15, 0.05
+    faulty = batches_of(url, options, read_policy=QUICK)
+    assert proxy.faults >= 5, (proxy.faults, proxy.requests)
+    assert faulty == local_batches
+    proxy.faults_off()
+    after = resources()
+    assert after[1:] == before[1:]  # threads and processes
+    # Descriptors: a stalled request is abandoned at its deadline, and its socket goes when
+    # the peer lets go (here: the proxy closing) or the HTTP client's own timeout ends it.
+    proxy.close()
+    deadline = time.monotonic() + 10
+    while resources()[0] > before[0] + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert resources()[0] <= before[0] + 2, (before, resources())
+
+
+def test_with_workers_and_faults_the_batches_are_identical(proxied, local_batches):
+    url, options, proxy = proxied
+    proxy.error, proxy.cut = 0.1, 0.1
+    assert batches_of(url, options, read_policy=QUICK, num_workers=2) == batches_of(
+        EXAMPLE, num_workers=2
+    )
+    assert proxy.faults > 0
+
+
+def test_a_permanent_fault_names_the_url_within_the_configured_time(proxied):
+    url, options, proxy = proxied
+    policy = ReadPolicy(block_bytes=128 * 1024, attempts=3, backoff=0.05, timeout=0.5)
+    loader = wdsvlm.Loader(url, TOKENIZER, storage_options=options, read_policy=policy, **SMALL)
+    proxy.cut = 1.0  # every response breaks: retried, then given up
+    started = time.monotonic()
+    with pytest.raises(wdsvlm.StorageError, match=r"example/shapes-00000\d\.tar: gave up at byte"):
+        list(loader)
+    assert time.monotonic() - started < 10
+    proxy.faults_off()
+    proxy.stall = 1.0  # every response stalls: each try times out
+    started = time.monotonic()
+    with pytest.raises(wdsvlm.StorageError, match=r"gave up at byte \d+ after 3 attempts"):
+        list(wdsvlm.Loader(url, TOKENIZER, storage_options=options, read_policy=policy, **SMALL))
+    assert time.monotonic() - started < 10
+    proxy.faults_off()
+    proxy.status = 403  # refused: not retried at all
+    started = time.monotonic()
+    with pytest.raises(
+        wdsvlm.StorageError, match=r"example/index\.json: cannot read from byte 0: PermissionError"
+    ):
+        wdsvlm.Loader(url, TOKENIZER, storage_options=options, read_policy=policy, **SMALL)
+    assert time.monotonic() - started < 2
+
+
+def test_a_missing_shard_fails_at_once_or_is_skipped_and_reported(s3_bucket):
+    bucket, options = s3_bucket
+    upload(EXAMPLE, f"{bucket}/example", options)
+    loader = wdsvlm.Loader(f"{bucket}/example", TOKENIZER, storage_options=options, **SMALL)
+    fs, path = fsspec.core.url_to_fs(bucket, **options)
+    fs.rm_file(f"{path}/example/shapes-000001.tar")
+    started = time.monotonic()
+    with pytest.raises(wdsvlm.ObjectNotFoundError, match=r"shapes-000001\.tar"):
+        list(loader)
+    assert time.monotonic() - started < 5  # no retries for a 404
+    skipping = wdsvlm.Loader(
+        f"{bucket}/example", TOKENIZER, storage_options=options, on_shard_error="skip", **SMALL
+    )
+    keys = [k for b in skipping for row in b["sample_keys"] for k in row]
+    skipped = skipping.stats()["skipped"]
+    index = wdsvlm.load_index(EXAMPLE)
+    lost = next(s for s in index["shards"] if s["name"] == "shapes-000001.tar")["samples"]
+    assert skipped["unreadable_shard"] >= lost  # each pass over it counts its samples
+    assert not any(k.startswith("shapes-000001.tar/") for k in keys)
+    assert len(set(keys)) == index["totals"]["samples"] - lost
+
+
+def test_read_range_resumes_where_a_read_broke(tmp_path):
+    data = os.urandom(300_000)
+    (tmp_path / "blob").write_bytes(data)
+    calls = []
+
+    class Flaky(LocalFileSystem):
+        """Local files whose every third request breaks."""
+
+        protocol = ("flaky",)
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return path.removeprefix("flaky://")
+
+        def cat_file(self, path, start=None, end=None, **kwargs):
+            calls.append((start, end))
+            if len(calls) % 3 == 2:
+                raise ConnectionResetError("connection reset by peer")
+            return super().cat_file(path, start=start, end=end, **kwargs)
+
+    fsspec.register_implementation("flaky", Flaky, clobber=True)
+    policy = ReadPolicy(block_bytes=50_000, attempts=3, backoff=0.001)
+    got = read_range(f"flaky://{tmp_path}/blob", 10, 290_000, None, policy)
+    assert got == data[10:290_000]
+    starts = [s for s, _ in calls]
+    assert starts[0] == 10 and starts == sorted(starts)  # never back to an earlier byte
+    assert len(calls) > 6  # blocks, and the failed ones again
+
+
+def test_errors_are_told_apart():
+    assert not is_transient(FileNotFoundError("nope"))
+    assert not is_transient(PermissionError("AccessDenied"))
+    assert not is_transient(OSError("NoSuchBucket: the bucket does not exist"))
+    assert is_transient(ConnectionResetError(104, "reset"))
+    assert is_transient(TimeoutError())
+    assert is_transient(OSError("An error occurred (ServiceUnavailable) 503"))
