@@ -221,3 +221,43 @@ def test_errors_are_told_apart():
     assert is_transient(ConnectionResetError(104, "reset"))
     assert is_transient(TimeoutError())
     assert is_transient(OSError("An error occurred (ServiceUnavailable) 503"))
+
+
+def test_a_shared_shard_cache_serves_later_epochs_from_disk_within_its_bound(
+    proxied, local_batches, tmp_path
+):
+    url, options, proxy = proxied
+    cache = str(tmp_path / "cache")
+    cached = {"cache_dir": cache, "read_policy": QUICK}
+    proxy.cut = 0.1  # fetching whole shards goes through faults too
+    assert batches_of(url, options, **cached) == local_batches
+    example = sum(e.stat().st_size for e in os.scandir(EXAMPLE) if e.name.endswith(".tar"))
+    assert wdsvlm.cache.ShardCache(cache).size() == example
+    proxy.faults_off()
+    loader = wdsvlm.Loader(url, TOKENIZER, storage_options=options, **cached, **SMALL)
+    proxy.status = 503  # the store goes down: a loader sharing the cache needs nothing from it
+    requests = proxy.requests
+    assert [digest(b) for b in loader] == local_batches
+    assert proxy.requests == requests  # every shard came from the cache
+    proxy.faults_off()
+    # a bound smaller than the data: least recently used shards go, the batches stay the same
+    small = str(tmp_path / "small")
+    bound = 2 * max(e.stat().st_size for e in os.scandir(EXAMPLE) if e.name.endswith(".tar"))
+    bounded = {"cache_dir": small, "cache_bytes": bound}
+    assert batches_of(url, options, **bounded) == local_batches
+    assert 0 < wdsvlm.cache.ShardCache(small).size() <= bound
+
+
+def test_worker_processes_fill_one_cache_together(s3_bucket, tmp_path):
+    bucket, options = s3_bucket
+    upload(EXAMPLE, f"{bucket}/example", options)
+    cache = {"cache_dir": str(tmp_path / "cache"), "num_workers": 2}
+    shared = batches_of(f"{bucket}/example", options, **cache)
+    assert shared == batches_of(EXAMPLE, num_workers=2)
+    assert sorted(os.listdir(tmp_path / "cache")) == sorted(
+        os.path.basename(
+            wdsvlm.cache.ShardCache(str(tmp_path / "cache")).path(f"{bucket}/example/{name}")
+        )
+        for name in os.listdir(EXAMPLE)
+        if name.endswith(".tar")
+    )

@@ -38,6 +38,7 @@ _LAZY = {
     "block_causal_mask": "collate",
     "Loader": "loader",
     "ReadPolicy": "storage",
+    "ShardCache": "cache",
 }
 
 

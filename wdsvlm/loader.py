@@ -21,6 +21,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from .cache import ShardCache
 from .collate import Collate
 from .errors import WdsvlmError
 from .images import ImageConfig, tile_count
@@ -46,7 +47,9 @@ class Loader:
     ``storage_options`` go to fsspec; ``read_policy`` (``wdsvlm.ReadPolicy``) sets the block
     size, retries, backoff and timeout of ranged reads, ``read_ahead`` how many spans each
     worker reads ahead, and ``on_shard_error="skip"`` reports an unreadable shard's samples as
-    skipped instead of raising.
+    skipped instead of raising. ``cache_dir`` keeps whole shards on local disk once read (at
+    most ``cache_bytes``, least recently used out first; ranks and workers of one machine can
+    share it).
     ``shuffle_buffer`` is in samples, ``shuffle_bytes`` bounds it in bytes; ``pack_window``
     is the packer's window in samples. ``max_tiles_per_batch`` caps every pack at its share,
     ``max_tiles_per_batch // batch_size`` tiles, so that no batch can pass it. rank and world
@@ -87,6 +90,8 @@ class Loader:
         read_policy: ReadPolicy | None = None,
         read_ahead: int = 2,
         on_shard_error: str = "raise",
+        cache_dir: str | None = None,
+        cache_bytes: int = 64 * 2**30,
         pin_memory: bool = False,
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
@@ -172,6 +177,7 @@ class Loader:
                 policy=read_policy,
                 read_ahead=read_ahead,
                 on_shard_error=on_shard_error,
+                cache=ShardCache(cache_dir, cache_bytes) if cache_dir else None,
             ),
             Shuffle(shuffle_buffer, shuffle_bytes, seed),
             self.tokenize,

@@ -290,6 +290,7 @@ class Plan(IterableDataset):
             yield {
                 "url": self.urls[span["shard"]],
                 "shard": shard["name"],
+                "shard_bytes": shard["bytes"],
                 "start": min(e["offset"] for e in entries),
                 "stop": max(e["offset"] + e["size"] for e in entries),
                 "entries": entries,

@@ -7,6 +7,7 @@ decoding downstream; nothing stays open between spans, and the thread ends with 
 A sample whose bytes are cut short (a truncated shard) or do not parse as tar members of its
 key is skipped and counted. A shard that cannot be read raises ``StorageError`` naming it, or
 with ``on_shard_error="skip"`` has its samples counted as skipped (``unreadable_shard``).
+With a ``cache`` (``cache.ShardCache``), shards are read from local disk once fetched.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from .cache import ShardCache
 from .errors import StorageError
 from .stats import SkipStats
 from .storage import ReadPolicy, read_range
@@ -42,6 +44,7 @@ class ReadSamples:
         policy: ReadPolicy | None = None,
         read_ahead: int = 2,
         on_shard_error: str = "raise",
+        cache: ShardCache | None = None,
     ):
         if on_shard_error not in ("raise", "skip"):
             raise ValueError(f"on_shard_error must be 'raise' or 'skip', not {on_shard_error!r}")
@@ -52,9 +55,19 @@ class ReadSamples:
         self.policy = policy or ReadPolicy()
         self.read_ahead = read_ahead
         self.on_shard_error = on_shard_error
+        self.cache = cache
 
     def _read(self, span: dict) -> bytes | StorageError:
         try:
+            if self.cache is not None and "shard_bytes" in span:
+                return self.cache.read(
+                    span["url"],
+                    span["shard_bytes"],
+                    span["start"],
+                    span["stop"],
+                    self.storage_options,
+                    self.policy,
+                )
             return read_range(
                 span["url"], span["start"], span["stop"], self.storage_options, self.policy
             )
