@@ -19,6 +19,7 @@ import json
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .cache import ShardCache
@@ -332,7 +333,9 @@ class Loader:
         read = ReadSamples(
             self._storage_options, stats=quiet, policy=self._read_policy, on_shard_error="skip"
         )
-        samples = list(read(iter(spans)))
+        with ThreadPoolExecutor(8) as pool:  # small reads: at once, not one round trip each
+            parts = pool.map(lambda part: list(read(iter(part))), [spans[i::8] for i in range(8)])
+            samples = [s for part in parts for s in part]
         tokenize = copy.copy(self.tokenize)
         tokenize.stats = quiet
         chars = text = 0
