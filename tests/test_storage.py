@@ -4,6 +4,7 @@ between the client and the S3 server."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import subprocess
@@ -53,8 +54,6 @@ def cli_write(inputs, image_root, output, options) -> None:
     command = [sys.executable, "-m", "wdsvlm.cli", "write", "--input", inputs]
     command += ["--image-root", image_root, "--output", output, "-q"]
     if options:
-        import json
-
         command += ["--storage-options", json.dumps(options)]
     run = subprocess.run(command, capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr
@@ -261,3 +260,68 @@ def test_worker_processes_fill_one_cache_together(s3_bucket, tmp_path):
         for name in os.listdir(EXAMPLE)
         if name.endswith(".tar")
     )
+
+
+def test_memory_and_http_sources_give_the_same_batches(local_batches, tmp_path):
+    import http.server
+
+    names = [n for n in os.listdir(EXAMPLE) if n.endswith(".tar") or n == "index.json"]
+    memory = fsspec.filesystem("memory")
+    folder = f"/example-{time.monotonic_ns()}"
+    for name in names:
+        with open(os.path.join(EXAMPLE, name), "rb") as f:
+            memory.pipe(f"{folder}/{name}", f.read())
+    assert batches_of(f"memory://{folder}") == local_batches
+
+    class Ranges(http.server.SimpleHTTPRequestHandler):
+        """Static files with byte ranges (``Range: bytes=a-b``), as object stores serve."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=EXAMPLE, **kwargs)
+
+        def do_GET(self):
+            path = self.translate_path(self.path)
+            if not os.path.isfile(path):
+                return self.send_error(404)
+            data = open(path, "rb").read()
+            wanted = self.headers.get("Range")
+            status = 200
+            if wanted:
+                a, _, b = wanted.removeprefix("bytes=").partition("-")
+                a, b = int(a), min(int(b) if b else len(data) - 1, len(data) - 1)
+                data, status = data[a : b + 1], 206
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ranges)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert batches_of(f"http://127.0.0.1:{server.server_port}") == local_batches
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()
+
+
+def test_errors_never_show_the_credentials(s3_bucket):
+    bucket, options = s3_bucket
+    secret = "wdsvlm-test-secret-4f9a"
+    with_secret = {**options, "key": "testing", "secret": secret}
+    command = [sys.executable, "-m", "wdsvlm.cli", "verify", f"{bucket}/nothing-here"]
+    run = subprocess.run(
+        [*command, "--storage-options", json.dumps(with_secret)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode != 0 and "nothing-here" in run.stderr
+    assert secret not in run.stdout + run.stderr
+    with pytest.raises(wdsvlm.WdsvlmError) as caught:
+        wdsvlm.Loader(f"{bucket}/nothing-here", TOKENIZER, storage_options=with_secret)
+    assert secret not in str(caught.value) and "nothing-here" in str(caught.value)
