@@ -182,6 +182,13 @@ def test_a_missing_shard_fails_at_once_or_is_skipped_and_reported(s3_bucket):
     assert skipped["unreadable_shard"] >= lost  # each pass over it counts its samples
     assert not any(k.startswith("shapes-000001.tar/") for k in keys)
     assert len(set(keys)) == index["totals"]["samples"] - lost
+    for name in os.listdir(EXAMPLE):  # nothing left to read: an error, not an endless spin
+        if name.endswith(".tar") and name != "shapes-000001.tar":
+            fs.rm_file(f"{path}/example/{name}")
+    started = time.monotonic()
+    with pytest.raises(wdsvlm.StorageError, match="a whole pass over global worker 0"):
+        list(skipping)
+    assert time.monotonic() - started < 10
 
 
 def test_read_range_resumes_where_a_read_broke(tmp_path):
@@ -220,6 +227,16 @@ def test_errors_are_told_apart():
     assert is_transient(ConnectionResetError(104, "reset"))
     assert is_transient(TimeoutError())
     assert is_transient(OSError("An error occurred (ServiceUnavailable) 503"))
+    # a URL is not an answer: a shard may be called data-000404.tar
+    assert is_transient(ConnectionResetError("http://127.0.0.1:4040/b/data-000404.tar: reset"))
+
+    class Answer(Exception):
+        def __init__(self, status):
+            super().__init__(f"status {status}")
+            self.status = status
+
+    assert is_transient(Answer(503)) and is_transient(Answer(429))
+    assert not is_transient(Answer(404)) and not is_transient(Answer(403))
 
 
 def test_a_shared_shard_cache_serves_later_epochs_from_disk_within_its_bound(
@@ -245,6 +262,9 @@ def test_a_shared_shard_cache_serves_later_epochs_from_disk_within_its_bound(
     bounded = {"cache_dir": small, "cache_bytes": bound}
     assert batches_of(url, options, **bounded) == local_batches
     assert 0 < wdsvlm.cache.ShardCache(small).size() <= bound
+    tiny = {"cache_dir": str(tmp_path / "tiny"), "cache_bytes": 1000}  # no shard fits
+    assert batches_of(url, options, **tiny) == local_batches
+    assert wdsvlm.cache.ShardCache(str(tmp_path / "tiny")).size() == 0
 
 
 def test_worker_processes_fill_one_cache_together(s3_bucket, tmp_path):

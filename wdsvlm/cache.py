@@ -5,8 +5,10 @@ A shard is fetched whole the first time a reader needs it (one ranged read at a 
 the retries of ``storage.read_range``) into a temporary file, checked against the size the
 index gives, and renamed into place: a cached file is always complete. Processes that need
 the same shard at the same time each fetch it, and the last rename wins (the bytes are the
-same); so no lock can be left stale by a crashed process. Before a shard is added, the least
-recently used files are evicted until it fits in ``max_bytes``.
+same); so no lock can be left stale by a crashed process (a partial fetch it left behind is
+removed after an hour without writes). Before a shard is added, the least recently used files
+are evicted until it fits in ``max_bytes``; a shard larger than that, or a disk that fails, is
+read from the store instead.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,19 +52,25 @@ class ShardCache:
         storage_options: Mapping[str, Any] | None = None,
         policy: ReadPolicy | None = None,
     ) -> bytes:
+        if size > self.max_bytes:  # cannot be kept: read it from the store as it is
+            return read_range(url, start, stop, storage_options, policy)
         path = self.path(url)
-        if not _complete(path, size):
-            self._fetch(url, size, path, storage_options, policy)
-        os.utime(path)  # recently used: evicted last
-        with open(path, "rb") as f:
-            f.seek(start)
-            return f.read(stop - start)
+        for _ in range(3):  # another process may evict the file between the check and open
+            try:
+                if not _complete(path, size):
+                    self._fetch(url, size, path, storage_options, policy)
+                with open(path, "rb") as f:
+                    os.utime(f.fileno())  # recently used: evicted last
+                    f.seek(start)
+                    return f.read(stop - start)
+            except FileNotFoundError:
+                continue
+            except OSError as e:  # a full or broken disk: the cache steps aside
+                log.warning("shard cache %s: %s; reading %s from the store", self.folder, e, url)
+                break
+        return read_range(url, start, stop, storage_options, policy)
 
     def _fetch(self, url, size, path, storage_options, policy) -> None:
-        if size > self.max_bytes:
-            raise StorageError(
-                f"{url}: {size} bytes do not fit the shard cache of {self.max_bytes} bytes"
-            )
         self._evict(size)
         fd, tmp = tempfile.mkstemp(prefix=".fetch-", suffix=".tmp", dir=self.folder)
         try:
@@ -80,27 +89,39 @@ class ShardCache:
                 os.unlink(tmp)
 
     def _evict(self, incoming: int) -> None:
-        files = []
+        files, fetching = [], 0
         for entry in os.scandir(self.folder):
+            try:
+                stat = entry.stat()
+            except FileNotFoundError:  # another process evicted or renamed it just now
+                continue
             if entry.name.endswith(".tar"):
-                try:
-                    stat = entry.stat()
-                except FileNotFoundError:  # another process evicted it just now
-                    continue
                 files.append((stat.st_mtime, stat.st_size, entry.path))
-        total = sum(size for _, size, _ in files)
+            elif entry.name.startswith(".fetch-"):
+                if time.time() - stat.st_mtime > _STALE_FETCH:  # its process died mid-fetch
+                    _unlink(entry.path)
+                else:
+                    fetching += stat.st_size
+        total = sum(size for _, size, _ in files) + fetching
         for _, size, victim in sorted(files):
             if total + incoming <= self.max_bytes:
                 break
-            try:
-                os.unlink(victim)
-            except FileNotFoundError:
-                pass
+            _unlink(victim)
             total -= size
 
     def size(self) -> int:
         """Bytes of cached shards now."""
         return sum(e.stat().st_size for e in os.scandir(self.folder) if e.name.endswith(".tar"))
+
+
+_STALE_FETCH = 3600  # seconds without a write: a fetch whose process is gone
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _complete(path: str, size: int) -> bool:

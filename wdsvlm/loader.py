@@ -40,6 +40,21 @@ log = logging.getLogger("wdsvlm.loader")
 STATE_VERSION = 1
 
 
+def _agreed(value: int) -> int:
+    """Rank 0's ``value`` on every rank when a process group is up (one broadcast at set-up):
+    the batches of an epoch must be the same number everywhere, even if one rank's estimate
+    met a read fault."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return value
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
 class Loader:
     """Packed, fixed-shape batches ``[batch_size, max_length]`` from a wdsvlm dataset.
 
@@ -167,9 +182,8 @@ class Loader:
         # a multiple of the workers, so that each gives the same number of batches an epoch
         # and none falls behind the others epoch after epoch
         workers = self.worker_config.workers_per_rank
-        self._batches_per_epoch = (
-            -(-(batches_per_epoch or self._estimate_batches()) // workers) * workers
-        )
+        estimate = batches_per_epoch or _agreed(self._estimate_batches())
+        self._batches_per_epoch = -(-estimate // workers) * workers
         self.stream = Stream(
             self.plan,
             ReadSamples(
@@ -433,12 +447,21 @@ class Loader:
                 f"new epoch afresh instead: set_epoch({state['epoch'] + 1}) without loading "
                 "this state (the samples the saved epoch still carried are then not yielded)."
             )
-        diff = [k for k in self._config if state["config"].get(k) != self._config[k]]
+        diff = [
+            k
+            for k in self._config
+            if state["config"].get(k) != self._config[k] and k != "batches_per_epoch"
+        ]
         if diff:
             raise ValueError(
                 "cannot resume: the loader state was saved with other settings: "
                 + ", ".join(f"{k} {state['config'].get(k)!r} -> {self._config[k]!r}" for k in diff)
             )
+        saved_length = state["config"]["batches_per_epoch"]
+        if saved_length != self._batches_per_epoch:  # the saved run's epochs go on as they were
+            log.info("len(loader) is %d as saved (estimated %d now)", saved_length, len(self))
+            self._batches_per_epoch = self.stream.batches_per_epoch = saved_length
+            self._config["batches_per_epoch"] = saved_length
         self._epoch = state["epoch"]
         self._done = state["done"]
         self._states = copy.deepcopy(state["workers"])

@@ -306,22 +306,37 @@ class Plan(IterableDataset):
         return stop - start
 
     def locate(self, epoch: int, worker: int, positions: Sequence[int]) -> list[dict]:
-        """One-sample spans for the given positions of a worker's pass ``epoch``, in the
-        order given: how a resumed loader fetches the samples its buffers held."""
-        by_position = {}
+        """Spans that hold the given positions of a worker's pass ``epoch`` (neighbours in a
+        shard merged into one ranged read, as the plan merges them): how a resumed loader
+        fetches the samples its buffers held."""
+        wanted = set(positions)
+        by_shard: dict[str, list] = {}
         for span in self.spans(epoch, worker):
             for position, entry in zip(span["positions"], span["entries"], strict=True):
-                by_position[position] = (span, entry)
-        out = []
-        for position in positions:
-            span, entry = by_position[position]
-            out.append(
-                {
-                    **span,
-                    "start": entry["offset"],
-                    "stop": entry["offset"] + entry["size"],
-                    "entries": [entry],
-                    "positions": [position],
-                }
-            )
+                if position in wanted:
+                    by_shard.setdefault(span["url"], []).append((entry, position, span))
+        out: list[dict] = []
+        for found in by_shard.values():
+            found.sort(key=lambda f: f[0]["offset"])
+            for entry, position, span in found:
+                last = out[-1] if out and out[-1]["url"] == span["url"] else None
+                end = entry["offset"] + entry["size"]
+                if (
+                    last is not None
+                    and entry["offset"] - last["stop"] <= _READ_THROUGH_GAP
+                    and end - last["start"] <= self.span_bytes
+                ):
+                    last["stop"] = max(last["stop"], end)
+                    last["entries"].append(entry)
+                    last["positions"].append(position)
+                else:
+                    out.append(
+                        {
+                            **span,
+                            "start": entry["offset"],
+                            "stop": end,
+                            "entries": [entry],
+                            "positions": [position],
+                        }
+                    )
         return out

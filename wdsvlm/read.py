@@ -117,14 +117,22 @@ class ReadSamples:
             thread.join()
 
     def __call__(self, spans: Iterator[dict]) -> Iterator[dict]:
-        failed: set[str] = set()
+        failed: set[tuple] = set()  # (url, epoch): a shard given up on, for this pass
+        epoch, yielded = None, 0
         for span, data in self._fetched(spans):
-            if span["url"] in failed:
+            if span.get("epoch") != epoch:
+                if epoch is not None and not yielded:  # skip mode must not spin forever
+                    raise StorageError(
+                        f"a whole pass over global worker {span.get('worker')}'s share gave no "
+                        f"sample that could be read; the last shard: {span['url']}"
+                    )
+                epoch, yielded = span.get("epoch"), 0
+            if (span["url"], epoch) in failed:
                 data = StorageError(f"{span['url']}: skipped after an earlier failure")
             if isinstance(data, StorageError):
                 if self.on_shard_error == "raise":
                     raise data  # it names the shard's URL, the byte and the cause
-                failed.add(span["url"])
+                failed.add((span["url"], epoch))
                 for entry in span["entries"]:
                     sample = {"__key__": entry["key"], "__shard__": span["shard"]}
                     self.stats.skip("read", "unreadable_shard", sample, str(data), streak=False)
@@ -168,4 +176,5 @@ class ReadSamples:
                 self.stats.ok("read")
                 for name, value in members.items():
                     sample[name[len(prefix) :]] = value
+                yielded += 1
                 yield sample

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import random
+import re
 import tempfile
 import time
 from collections.abc import Mapping
@@ -141,17 +142,11 @@ class ReadPolicy:
             raise ValueError(f"invalid read policy: {self}")
 
 
-# Answers that will not change by asking again.
-_PERMANENT_CODES = (
-    "NoSuchBucket",
-    "NoSuchKey",
-    "AccessDenied",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "403",
-    "404",
-    "Forbidden",
-    "Not Found",
+# Error codes of answers that will not change by asking again (matched as whole words in the
+# message, never in a URL: a shard may well be called data-000404.tar).
+_PERMANENT = re.compile(
+    r"\b(NoSuchBucket|NoSuchKey|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|"
+    r"AllAccessDisabled|AccountProblem|InvalidBucketName)\b"
 )
 
 
@@ -160,11 +155,11 @@ def is_transient(error: BaseException) -> bool:
     and 5xx answers yes; missing objects or buckets and refused access no."""
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
         return False
-    status = getattr(error, "status", None) or getattr(error, "code", None)
-    if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
-        return False
-    text = f"{type(error).__name__}: {error}"
-    return not any(code in text for code in _PERMANENT_CODES)
+    status = getattr(error, "status", None)
+    if isinstance(status, int):  # an HTTP answer: its status decides
+        return status in (408, 429) or status >= 500
+    text = " ".join(str(a) for a in getattr(error, "args", ()) if not str(a).startswith("http"))
+    return not _PERMANENT.search(text)
 
 
 def read_range(
