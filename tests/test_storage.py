@@ -345,3 +345,35 @@ def test_errors_never_show_the_credentials(s3_bucket):
     with pytest.raises(wdsvlm.WdsvlmError) as caught:
         wdsvlm.Loader(f"{bucket}/nothing-here", TOKENIZER, storage_options=with_secret)
     assert secret not in str(caught.value) and "nothing-here" in str(caught.value)
+
+
+def test_a_cancelled_read_stops_before_its_next_request(tmp_path):
+    (tmp_path / "blob").write_bytes(b"x" * 1000)
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(wdsvlm.StorageError, match="cancelled at byte 0"):
+        read_range(str(tmp_path / "blob"), 0, 1000, None, None, cancel)
+
+
+def test_skip_mode_resumes_past_a_shard_that_went_away(tmp_path):
+    import shutil
+
+    data = str(tmp_path / "ds")
+    shutil.copytree(EXAMPLE, data)
+    options = {**SMALL, "on_shard_error": "skip"}
+    loader = wdsvlm.Loader(data, TOKENIZER, **options)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    state = loader.state_dict()
+    held = {p for p, _ in state["workers"][0]["window"]["places"]}
+    assert held, "the state holds samples to read again"
+    # the shard of a held sample goes away before the restart
+    place = state["workers"][0]["window"]["places"][0]
+    gone = wdsvlm.plan.Plan(data).locate(place[0], 0, [place[1]])[0]["shard"]
+    os.remove(os.path.join(data, gone))
+    resumed = wdsvlm.Loader(data, TOKENIZER, **options)
+    resumed.load_state_dict(state)
+    keys = [k for b in resumed for row in b["sample_keys"] for k in row]
+    assert keys and not any(k.startswith(gone + "/") for k in keys)
+    assert resumed.stats()["skipped"]["unreadable_shard"] > 0

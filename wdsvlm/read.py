@@ -57,7 +57,7 @@ class ReadSamples:
         self.on_shard_error = on_shard_error
         self.cache = cache
 
-    def _read(self, span: dict) -> bytes | StorageError:
+    def _read(self, span: dict, cancel: threading.Event | None = None) -> bytes | StorageError:
         try:
             if self.cache is not None and "shard_bytes" in span:
                 return self.cache.read(
@@ -69,7 +69,12 @@ class ReadSamples:
                     self.policy,
                 )
             return read_range(
-                span["url"], span["start"], span["stop"], self.storage_options, self.policy
+                span["url"],
+                span["start"],
+                span["stop"],
+                self.storage_options,
+                self.policy,
+                cancel,
             )
         except StorageError as e:
             return e
@@ -95,7 +100,7 @@ class ReadSamples:
         def run():
             try:
                 for span in spans:
-                    if not put((span, self._read(span))):
+                    if not put((span, self._read(span, stop))):
                         return
             except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
                 put((None, e))

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -168,6 +169,7 @@ def read_range(
     stop: int | None,
     storage_options: Mapping[str, Any] | None = None,
     policy: ReadPolicy | None = None,
+    cancel: threading.Event | None = None,
 ) -> bytes:
     """Bytes ``[start, stop)`` of ``url``, fetched ``policy.block_bytes`` at a time.
 
@@ -176,13 +178,16 @@ def read_range(
     it broke, never from the start of the object, and returns whole or raises. A permanent
     error, or a block that fails ``policy.attempts`` times, raises ``StorageError`` naming the
     URL, the byte offset and the cause. Fewer bytes than asked mean the object ends early.
-    ``stop=None``: to the end of the object, in one request.
+    ``stop=None``: to the end of the object, in one request. Setting ``cancel`` ends the read
+    (``StorageError``) before its next request or retry.
     """
     policy = policy or ReadPolicy()
     fs, path = filesystem(url, storage_options)
     out = bytearray()
     at, failures = start, 0
     while stop is None or at < stop:
+        if cancel is not None and cancel.is_set():
+            raise StorageError(f"{url}: read cancelled at byte {at}")
         end = None if stop is None else min(stop, at + policy.block_bytes)
         try:
             data = _fetch(fs, path, at, end, policy.timeout)
@@ -198,7 +203,10 @@ def read_range(
                 ) from e
             log.info("%s: retrying from byte %d (%s)", url, at, cause)
             wait = min(policy.max_backoff, policy.backoff * 2 ** (failures - 1))
-            time.sleep(wait * (0.5 + random.random()))
+            if cancel is not None:
+                cancel.wait(wait * (0.5 + random.random()))
+            else:
+                time.sleep(wait * (0.5 + random.random()))
             continue
         if not data:
             break  # the object ends before stop

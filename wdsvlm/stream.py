@@ -161,28 +161,33 @@ class Stream(IterableDataset):
         again = self._read_again(
             worker, held + state["tokenize"] + window + [p for pack in packs for p in pack]
         )
+
+        def found(places):  # the samples read again (in skip mode, some may be gone)
+            return [again[tuple(p)] for p in places if tuple(p) in again]
+
+        came = [
+            c for p, c in zip(window, state["window"]["came"], strict=True) if tuple(p) in again
+        ]
         reader = self.read(self._spans(worker, *state["read"]))
-        stages = self.shuffle(
-            reader, resume={**state["shuffle"], "held": [again[tuple(p)] for p in held]}
-        )
-        stages = self.tokenize(stages, resume=[again[tuple(p)] for p in state["tokenize"]])
+        stages = self.shuffle(reader, resume={**state["shuffle"], "held": found(held)})
+        stages = self.tokenize(stages, resume=found(state["tokenize"]))
         stages = self.pack(
             stages,
             resume={
-                "waiting": self._tokenized([again[tuple(p)] for p in window]),
-                "came": state["window"]["came"],
+                "waiting": self._tokenized(found(window)),
+                "came": came,
                 "emitted": state["window"]["emitted"],
                 "ready": [
-                    self._tokenized([again[tuple(p)] for p in pack])
-                    for pack in state["window"]["ready"]
+                    pack
+                    for pack in (self._tokenized(found(p)) for p in state["window"]["ready"])
+                    if pack
                 ],
             },
         )
         waiting = [
-            [self.pack.fit(s)[0] for s in self._tokenized([again[tuple(p)] for p in pack])]
-            for pack in state["balance"]
+            [self.pack.fit(s)[0] for s in self._tokenized(found(pack))] for pack in state["balance"]
         ]
-        stages = self.balance(stages, resume=waiting)
+        stages = self.balance(stages, resume=[pack for pack in waiting if pack])
         return {
             "role": role,
             "epoch": epoch,
@@ -206,7 +211,8 @@ class Stream(IterableDataset):
             for sample in self.read(iter(self.plan.locate(p, worker, positions))):
                 out[(p, sample["__pos__"])] = sample
         missing = [tuple(p) for p in places if tuple(p) not in out]
-        if missing:
+        if missing and self.read.on_shard_error == "skip":
+            return out  # counted as skipped by the reader; the buffers go on without them
             raise StorageError(
                 f"cannot resume: {len(missing)} samples the saved state holds could not be "
                 f"read again (first: pass {missing[0][0]}, position {missing[0][1]} of global "
