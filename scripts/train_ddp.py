@@ -1,0 +1,188 @@
+"""The main job: a tiny vision-language model trained with torchrun on wdsvlm's packed batches.
+
+    torchrun --standalone --nproc_per_node=2 scripts/train_ddp.py [--data shards_example]
+        [--epochs 2] [--max-steps N] [--out runs/train] [--resume]
+
+The model: a patch-embedding vision tower (one strided convolution per tile, one feature per
+image token) and a projector feed a tiny randomly initialised transformers Llama; the image
+tokens' embeddings are replaced by the vision features, in order. Packed samples are kept
+apart with the block-diagonal mask (`wdsvlm.block_causal_mask`) and per-sample positions; the
+loss is summed and divided by the global `num_loss_tokens` (all-reduced). Rank 0 logs loss,
+tokens/s, the fill of the batches and the share of step time spent waiting for data. Each rank
+saves the model, the optimizer and its loader state every `--save-every` steps and at the end;
+`--resume` goes on from there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import wdsvlm
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class TinyVLM(nn.Module):
+    def __init__(self, vocab: int, image_token_id: int, tile: int, tokens_per_tile: int):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        side = math.isqrt(tokens_per_tile)
+        if side * side != tokens_per_tile or tile % side:
+            raise ValueError("tokens_per_tile must be a square whose root divides tile_size")
+        patch = tile // side
+        hidden = 64
+        self.image_token_id = image_token_id
+        self.patches = nn.Conv2d(3, 48, kernel_size=patch, stride=patch)
+        self.project = nn.Sequential(nn.GELU(), nn.Linear(48, hidden))
+        self.llm = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=vocab,
+                hidden_size=hidden,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                max_position_embeddings=4096,
+                attn_implementation="eager",
+            )
+        )
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        ids = batch["input_ids"]
+        embeds = self.llm.get_input_embeddings()(ids)
+        if batch["pixel_values"].shape[0]:
+            pixels = batch["pixel_values"].float() / 127.5 - 1  # uint8 -> [-1, 1], here
+            features = self.project(self.patches(pixels).flatten(2).transpose(1, 2))
+            is_image = ids == self.image_token_id
+            embeds = embeds.masked_scatter(is_image[..., None], features.reshape(-1, 1, 1))
+        mask = wdsvlm.block_causal_mask(batch["position_ids"], embeds.dtype)
+        out = self.llm(
+            inputs_embeds=embeds, attention_mask=mask, position_ids=batch["position_ids"]
+        )
+        return out.logits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=os.path.join(REPO, "shards_example"))
+    parser.add_argument("--tokenizer", default=None, help="default: DATA/tokenizer")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this step")
+    parser.add_argument("--out", default="runs/train")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--tile-size", type=int, default=128)
+    parser.add_argument("--max-image-side", type=int, default=256)
+    parser.add_argument("--tokens-per-tile", type=int, default=16)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--save-every", type=int, default=10)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")  # "nccl", and the model on the GPU, on GPU machines
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # the same initial weights on every rank
+    loader = wdsvlm.Loader(
+        args.data,
+        args.tokenizer or os.path.join(args.data, "tokenizer"),
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        tile_size=args.tile_size,
+        max_image_side=args.max_image_side,
+        tokens_per_tile=args.tokens_per_tile,
+    )
+    image_token = loader.tokenize.image_token_id
+    model = nn.parallel.DistributedDataParallel(
+        TinyVLM(len(loader.tokenizer), image_token, args.tile_size, args.tokens_per_tile)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    os.makedirs(args.out, exist_ok=True)
+    checkpoint = os.path.join(args.out, f"checkpoint-rank{rank}.pt")
+    step, first_epoch = 0, 0
+    if args.resume:
+        saved = torch.load(checkpoint, weights_only=False)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        loader.load_state_dict(saved["loader"])
+        step, first_epoch = saved["step"], saved["loader"]["epoch"]
+        if rank == 0:
+            print(f"resumed at step {step} (epoch {first_epoch})", flush=True)
+
+    def save() -> None:
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        torch.save({**state, "loader": loader.state_dict(), "step": step}, checkpoint)
+
+    if rank == 0:
+        print(
+            f"{world} ranks, {len(loader)} batches of {list((args.batch_size, args.max_length))}"
+            " an epoch",
+            flush=True,
+        )
+    done = False
+    for epoch in range(first_epoch, args.epochs):
+        loader.set_epoch(epoch)
+        batches = iter(loader)
+        waited = computed = tokens = 0.0
+        started = time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            batch = next(batches, None)
+            t1 = time.perf_counter()
+            if batch is None:
+                break
+            logits = model(batch)
+            loss_sum = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(),
+                batch["labels"][:, 1:].flatten(),
+                reduction="sum",
+            )
+            global_tokens = batch["num_loss_tokens"].clone()
+            dist.all_reduce(global_tokens)
+            loss = loss_sum * world / global_tokens.clamp(min=1)  # DDP averages over ranks
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+            waited += t1 - t0
+            computed += time.perf_counter() - t1
+            tokens += int(batch["attention_mask"].sum())
+            if rank == 0:
+                keys = batch["sample_keys"][0][:2]
+                print(f"step {step} keys {' '.join(keys)}", flush=True)
+            if rank == 0 and step % args.log_every == 0:
+                elapsed = time.perf_counter() - started
+                fill = batch["attention_mask"].float().mean().item()
+                print(
+                    f"epoch {epoch} step {step}: loss {loss.item():.3f}, "
+                    f"{tokens * world / elapsed:.0f} tokens/s, fill {fill:.1%}, "
+                    f"waiting for data {waited / (waited + computed):.0%} of the time",
+                    flush=True,
+                )
+            if step % args.save_every == 0:
+                save()
+            if args.max_steps and step >= args.max_steps:
+                done = True
+                break
+        if done:
+            break
+    save()
+    if rank == 0:
+        print(f"saved {checkpoint} at step {step}", flush=True)
+    loader.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
