@@ -411,7 +411,10 @@ class Loader:
     def __del__(self):
         stream = getattr(self, "stream", None)
         if stream is not None:
-            stream.forget()
+            try:
+                stream.forget()
+            except Exception:  # noqa: BLE001 - at interpreter exit, parts may be gone already
+                pass
 
     def state_dict(self) -> dict:
         """Where this rank's loader stands: the epoch, the batches of it taken so far, and
