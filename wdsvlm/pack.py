@@ -255,6 +255,7 @@ class Pack:
         self.window = window
         self.stats = stats if stats is not None else SkipStats()
         self.pack_stats = PackStats()
+        self._limits = Packer(max_length, max_tiles_per_pack)  # for fit(), made once
 
     def __call__(
         self, samples: Iterator[dict], *, resume: dict | None = None
@@ -300,7 +301,7 @@ class Pack:
     def fit(self, sample: dict) -> tuple[dict, int, int, str | None]:
         """The sample as it goes into the window (cut, if it is too long and ``truncate``),
         its tokens and tiles, and why it cannot be packed at all (or None)."""
-        limits = Packer(self.max_length, self.max_tiles_per_pack)
+        limits = self._limits
         tokens, tiles = sample["num_tokens"], sum(sample["image_tiles"])
         reason = limits.oversized(tokens, tiles)
         if reason == "too_many_tokens" and self.truncate:

@@ -299,12 +299,6 @@ class Plan(IterableDataset):
                 "worker": worker,
             }
 
-    def share_size(self, worker: int) -> int:
-        """Samples in global worker ``worker``'s share of every pass."""
-        total = self.num_samples
-        start, stop = worker_share(total, worker, self.worker_config.global_workers)
-        return stop - start
-
     def locate(self, epoch: int, worker: int, positions: Sequence[int]) -> list[dict]:
         """Spans that hold the given positions of a worker's pass ``epoch`` (neighbours in a
         shard merged into one ranged read, as the plan merges them): how a resumed loader
