@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from .errors import BadInputError, DatasetExistsError, InputError, StorageError
 from .images import UnreadableImage, probe_image, stored_bytes
 from .index import (
@@ -36,6 +34,7 @@ from .index import (
     shard_name,
 )
 from .inputs import FORMATS, iter_records
+from .progress import progress
 from .storage import (
     exists,
     join,
@@ -151,7 +150,7 @@ def write_dataset(
     with _pool(opts.workers) as pool:
         checked = _map(pool, partial(check_record, storage_options=storage_options), records, 16)
         samples, bad = _split_bad(
-            tqdm(checked, desc="checking", unit=" records", disable=not opts.progress)
+            progress(checked, enabled=opts.progress, desc="checking", unit=" records")
         )
         if (bad and not opts.skip_bad) or (bad and not samples):
             raise BadInputError(bad, len(samples) + len(bad))
@@ -164,8 +163,8 @@ def write_dataset(
             write_shard, output=output, prefix=opts.prefix, storage_options=storage_options
         )
         shards, written, writing_since = [], 0, time.perf_counter()
-        with tqdm(
-            total=len(samples), desc="writing", unit=" samples", disable=not opts.progress
+        with progress(
+            total=len(samples), enabled=opts.progress, desc="writing", unit=" samples"
         ) as bar:
             for shard in _map(pool, write, plans, 1):
                 shards.append(shard)
