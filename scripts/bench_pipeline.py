@@ -36,16 +36,17 @@ import time
 
 import numpy as np
 import webdataset as wds
-from PIL import Image, ImageOps
+from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_example  # noqa: E402  (the example's scene drawing and texts)
 
 from wdsvlm import write_dataset  # noqa: E402
-from wdsvlm.images import DecodeImages, ImageConfig, image_members, tile_grid, to_rgb  # noqa: E402
+from wdsvlm.bench import naive_samples  # noqa: E402
+from wdsvlm.images import DecodeImages, ImageConfig  # noqa: E402
 from wdsvlm.plan import Plan, WorkerConfig  # noqa: E402
 from wdsvlm.read import ReadSamples  # noqa: E402
-from wdsvlm.tokenize import IGNORE_INDEX, Tokenize  # noqa: E402
+from wdsvlm.tokenize import Tokenize  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "shards_example", "tokenizer")
@@ -124,63 +125,12 @@ def make_mix(mix: str, samples: int, folder: str) -> str:
     return out
 
 
-# --- (a) the naive pipeline ------------------------------------------------------------------
+# --- (a) the naive pipeline (wdsvlm.bench, as `wdsvlm bench` runs it) ----------------------
 
 
-def naive_tiles(data: bytes) -> np.ndarray:
-    img = to_rgb(ImageOps.exif_transpose(Image.open(io.BytesIO(data))))  # full-size decode
-    cols, rows = tile_grid(img.width, img.height, CONFIG)
-    s = CONFIG.tile_size
-    grid = img.resize((cols * s, rows * s), Image.Resampling.BICUBIC, reducing_gap=3.0)
-    tiles = [
-        np.asarray(grid.crop((c * s, r * s, (c + 1) * s, (r + 1) * s))).transpose(2, 0, 1)
-        for r in range(rows)
-        for c in range(cols)
-    ]
-    if len(tiles) > 1:
-        thumb = grid.resize((s, s), Image.Resampling.BICUBIC, reducing_gap=3.0)
-        tiles.insert(0, np.asarray(thumb).transpose(2, 0, 1))
-    return np.stack(tiles)
-
-
-def naive_tokens(tokenizer, messages, tiles, image_token_id):
-    def ids_of(msgs):
-        text = tokenizer.apply_chat_template(msgs, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    ids = ids_of(messages)
-    labels = [IGNORE_INDEX] * len(ids)
-    header = len(tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
-    for i, m in enumerate(messages):
-        if m["role"] == "assistant":
-            start, stop = len(ids_of(messages[:i])), len(ids_of(messages[: i + 1]))
-            labels[start + header : stop - 1] = ids[start + header : stop - 1]  # no trailing \n
-    out_ids, out_labels, k = [], [], 0
-    for t, lab in zip(ids, labels, strict=True):
-        if t == image_token_id:
-            out_ids += [t] * (tiles[k] * TOKENS_PER_TILE)
-            out_labels += [IGNORE_INDEX] * (tiles[k] * TOKENS_PER_TILE)
-            k += 1
-        else:
-            out_ids.append(t)
-            out_labels.append(lab)
-    return np.asarray(out_ids), np.asarray(out_labels)
-
-
-def run_naive(folder, tokenizer, image_token_id):
+def run_naive(folder, tokenize):
     urls = [os.path.join(folder, s) for s in sorted(os.listdir(folder)) if s.endswith(".tar")]
-    for sample in wds.WebDataset(urls, shardshuffle=False):
-        messages = json.loads(sample["json"])["messages"]
-        per_image = [naive_tiles(sample[name]) for name in image_members(sample)]
-        tiles = [len(t) for t in per_image]
-        ids, labels = naive_tokens(tokenizer, messages, tiles, image_token_id)
-        yield {
-            "__key__": sample["__key__"],
-            "input_ids": ids,
-            "labels": labels,
-            "image_tiles": tiles,
-            "pixel_values": np.concatenate(per_image),
-        }
+    return naive_samples(wds.WebDataset(urls, shardshuffle=False), tokenize)
 
 
 # --- (b) wdsvlm -------------------------------------------------------------------------------
@@ -327,14 +277,13 @@ def measure(what: str, folder: str) -> dict:
 
 def bench_mix(mix, folder, rounds):
     tokenize = Tokenize(TOKENIZER, tokens_per_tile=TOKENS_PER_TILE, image_config=CONFIG)
-    tokenizer, image_token_id = tokenize.tokenizer, tokenize.image_token_id
     for name in os.listdir(folder):  # warm the page cache: time decoding, not the disk
         with open(os.path.join(folder, name), "rb") as f:
             while f.read(1 << 24):
                 pass
     naive_times, ours_times = [], []
     for _ in range(rounds):
-        t, naive_out = timed(run_naive(folder, tokenizer, image_token_id))
+        t, naive_out = timed(run_naive(folder, tokenize))
         naive_times.append(t)
         t, ours_out = timed(wdsvlm_pipeline(folder, tokenize))
         ours_times.append(t)

@@ -1,0 +1,310 @@
+"""``wdsvlm bench``: the Loader's throughput beside a naive webdataset pipeline doing the same
+work, measured one after the other in one run.
+
+The naive pipeline is what a first VLM loader usually is: webdataset's tar reader, a full PIL
+decode of every image, the same resize and tiling (tile by tile crops), the chat template and
+a tokenizer call per sample, labels found by tokenizing each conversation prefix, samples over
+``max_length`` dropped, and batches of ``batch_size`` samples padded to the longest. Both
+pipelines run in a torch DataLoader with the same number of workers.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from .images import ImageConfig, image_members, tile_grid, to_rgb
+from .progress import progress
+from .tokenize import IGNORE_INDEX, Tokenize
+
+
+def naive_tiles(data: bytes, config: ImageConfig) -> np.ndarray:
+    """An image's tiles ``[N, 3, S, S]`` (uint8), decoded at full size and cut crop by crop."""
+    img = to_rgb(ImageOps.exif_transpose(Image.open(io.BytesIO(data))))
+    cols, rows = tile_grid(img.width, img.height, config)
+    s = config.tile_size
+    grid = img.resize((cols * s, rows * s), Image.Resampling.BICUBIC, reducing_gap=3.0)
+    tiles = [
+        np.asarray(grid.crop((c * s, r * s, (c + 1) * s, (r + 1) * s))).transpose(2, 0, 1)
+        for r in range(rows)
+        for c in range(cols)
+    ]
+    if len(tiles) > 1:
+        thumb = grid.resize((s, s), Image.Resampling.BICUBIC, reducing_gap=3.0)
+        tiles.insert(0, np.asarray(thumb).transpose(2, 0, 1))
+    return np.stack(tiles)
+
+
+def naive_tokens(
+    tokenize: Tokenize, messages: list[dict], tiles: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``input_ids`` and ``labels`` the usual slow way: the chat template applied to each
+    prefix of the conversation and tokenized again, answers located by token counts."""
+    tokenizer, marker = tokenize.tokenizer, tokenize.image_token
+    messages = [{**m, "content": m["content"].replace("<image>", marker)} for m in messages]
+
+    def ids_of(msgs, prompt=False):
+        text = tokenizer.apply_chat_template(
+            msgs, chat_template=tokenize.chat_template, tokenize=False, add_generation_prompt=prompt
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    ids = ids_of(messages)
+    labels = [IGNORE_INDEX] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            start, stop = len(ids_of(messages[:i], prompt=True)), len(ids_of(messages[: i + 1]))
+            while stop > start and not tokenizer.decode(ids[stop - 1]).strip():
+                stop -= 1  # the newline after the end-of-turn token is not supervised
+            labels[start:stop] = ids[start:stop]
+    out_ids, out_labels, k = [], [], 0
+    per_tile = tokenize.tokens_per_tile
+    for t, label in zip(ids, labels, strict=True):
+        if t == tokenize.image_token_id:
+            out_ids += [t] * (tiles[k] * per_tile)
+            out_labels += [IGNORE_INDEX] * (tiles[k] * per_tile)
+            k += 1
+        else:
+            out_ids.append(t)
+            out_labels.append(label)
+    return np.asarray(out_ids, dtype=np.int64), np.asarray(out_labels, dtype=np.int64)
+
+
+def naive_samples(samples: Iterator[dict], tokenize: Tokenize) -> Iterator[dict]:
+    """webdataset samples (members by extension) -> tiles, ``input_ids`` and ``labels``."""
+    for sample in samples:
+        messages = json.loads(sample["json"])["messages"]
+        per_image = [
+            naive_tiles(sample[name], tokenize.image_config) for name in image_members(sample)
+        ]
+        tiles = [len(t) for t in per_image]
+        ids, labels = naive_tokens(tokenize, messages, tiles)
+        s = tokenize.image_config.tile_size
+        yield {
+            "__key__": sample["__key__"],
+            "input_ids": ids,
+            "labels": labels,
+            "image_tiles": tiles,
+            "pixel_values": np.concatenate(per_image) if per_image else np.zeros((0, 3, s, s)),
+        }
+
+
+def pad_to_longest(samples: list[dict]) -> dict:
+    """A naive batch: one row per sample, padded to the longest."""
+    import torch
+
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros((len(samples), longest), dtype=torch.long)
+    labels = torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(samples), longest), dtype=torch.long)
+    for row, s in enumerate(samples):
+        n = len(s["input_ids"])
+        ids[row, :n] = torch.from_numpy(s["input_ids"])
+        labels[row, :n] = torch.from_numpy(s["labels"])
+        mask[row, :n] = 1
+    pixels = torch.from_numpy(np.concatenate([s["pixel_values"] for s in samples]))
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "attention_mask": mask,
+        "pixel_values": pixels,
+        "sample_keys": [[s["__key__"]] for s in samples],
+    }
+
+
+def _open_shards(storage_options: Mapping[str, Any] | None):
+    """webdataset stage: shard URLs -> open streams, through fsspec (local or bucket)."""
+    from .storage import filesystem
+
+    def opener(urls):
+        for item in urls:
+            fs, path = filesystem(item["url"], storage_options)
+            with fs.open(path, "rb") as stream:
+                yield {"url": item["url"], "stream": stream}
+
+    return opener
+
+
+def naive_pipeline(
+    urls: list[str],
+    tokenize: Tokenize,
+    max_length: int,
+    batch_size: int,
+    storage_options: Mapping[str, Any] | None = None,
+):
+    """The naive pipeline as a webdataset ``DataPipeline`` of padded batches (shards split
+    over DataLoader workers)."""
+    import webdataset as wds
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    return wds.DataPipeline(
+        wds.SimpleShardList(urls),
+        wds.split_by_worker,
+        _open_shards(storage_options),
+        tar_file_expander,
+        group_by_keys,
+        lambda samples: naive_samples(samples, tokenize),
+        wds.select(lambda s: len(s["input_ids"]) <= max_length),
+        wds.batched(batch_size, collation_fn=pad_to_longest, partial=True),
+    )
+
+
+def timed(batches, limit: int | None, bar) -> dict:
+    """Consume batches (until ``limit`` samples): counts and rates, the first batch apart."""
+    started = time.perf_counter()
+    first = None
+    samples = tokens = cells = count = 0
+    for batch in batches:
+        if first is None:
+            first = time.perf_counter() - started
+        count += 1
+        n = sum(len(keys) for keys in batch["sample_keys"])
+        samples += n
+        tokens += int(batch["attention_mask"].sum())
+        cells += batch["input_ids"].numel()
+        bar.update(n)
+        if limit is not None and samples >= limit:
+            break
+    seconds = time.perf_counter() - started
+    return {
+        "samples": samples,
+        "batches": count,
+        "tokens": tokens,
+        "seconds": seconds,
+        "samples_per_s": samples / seconds,
+        "tokens_per_s": tokens / seconds,
+        "batches_per_s": count / seconds,
+        "first_batch_s": first if first is not None else float("nan"),
+        "padding": 1 - tokens / cells if cells else 0.0,
+    }
+
+
+def run_bench(
+    source: str,
+    tokenizer: Any,
+    *,
+    max_length: int = 2048,
+    batch_size: int = 8,
+    workers: int = 2,
+    limit: int | None = None,
+    image_config: ImageConfig | None = None,
+    tokens_per_tile: int = 64,
+    storage_options: Mapping[str, Any] | None = None,
+    show_progress: bool = True,
+) -> dict:
+    """Throughput of the naive pipeline, then of ``wdsvlm.Loader``, over one pass of
+    ``source`` (or until ``limit`` samples), with ``workers`` DataLoader workers each; the
+    ratios are wdsvlm over naive. Times to the first batch include starting the workers."""
+    from torch.utils.data import DataLoader
+
+    from .loader import Loader
+    from .plan import resolve_source
+
+    config = image_config or ImageConfig()
+    tokenize = Tokenize(tokenizer, tokens_per_tile=tokens_per_tile, image_config=config)
+    index, urls = resolve_source(source, storage_options)
+    total = index["totals"]["samples"] if limit is None else min(limit, index["totals"]["samples"])
+    if workers > len(urls):
+        raise ValueError(
+            f"{source} has {len(urls)} shards, fewer than --workers {workers}: the naive "
+            "pipeline splits whole shards over its workers"
+        )
+    results = {}
+    with progress(total=total, enabled=show_progress, desc="naive", unit=" samples") as bar:
+        naive = DataLoader(
+            naive_pipeline(urls, tokenize, max_length, batch_size, storage_options),
+            batch_size=None,
+            num_workers=workers,
+        )
+        results["naive"] = timed(naive, limit, bar)
+    with progress(total=total, enabled=show_progress, desc="wdsvlm", unit=" samples") as bar:
+        started = time.perf_counter()
+        loader = Loader(
+            source,
+            tokenize.tokenizer,
+            max_length=max_length,
+            batch_size=batch_size,
+            num_workers=workers,
+            tile_size=config.tile_size,
+            max_image_side=config.max_image_side,
+            upscale=config.upscale,
+            tokens_per_tile=tokens_per_tile,
+            storage_options=storage_options,
+        )
+        set_up = time.perf_counter() - started
+        try:
+            results["wdsvlm"] = timed(loader, limit, bar)
+        finally:
+            loader.close()
+        ours = results["wdsvlm"]  # the Loader's set-up (sizing the epoch) counts too
+        ours["first_batch_s"] += set_up
+        for rate in ("samples", "tokens", "batches"):
+            ours[f"{rate}_per_s"] = ours[rate] / (ours["seconds"] + set_up)
+        ours["seconds"] += set_up
+    naive, ours = results["naive"], results["wdsvlm"]
+    return {
+        "source": source,
+        "settings": {
+            "max_length": max_length,
+            "batch_size": batch_size,
+            "workers": workers,
+            "limit": limit,
+            "tile_size": config.tile_size,
+            "max_image_side": config.max_image_side,
+            "tokens_per_tile": tokens_per_tile,
+        },
+        **results,
+        "ratios": {
+            "samples_per_s": ours["samples_per_s"] / naive["samples_per_s"],
+            "tokens_per_s": ours["tokens_per_s"] / naive["tokens_per_s"],
+            "first_batch_s": ours["first_batch_s"] / naive["first_batch_s"],
+        },
+    }
+
+
+def bench_table(result: dict) -> str:
+    """The result of ``run_bench`` as a table."""
+    naive, ours, ratios = result["naive"], result["wdsvlm"], result["ratios"]
+    settings = result["settings"]
+    rows = [
+        ("", "naive", "wdsvlm", "wdsvlm/naive"),
+        (
+            "samples/s",
+            f"{naive['samples_per_s']:.1f}",
+            f"{ours['samples_per_s']:.1f}",
+            f"{ratios['samples_per_s']:.2f}x",
+        ),
+        (
+            "tokens/s (real)",
+            f"{naive['tokens_per_s']:.0f}",
+            f"{ours['tokens_per_s']:.0f}",
+            f"{ratios['tokens_per_s']:.2f}x",
+        ),
+        ("batches/s", f"{naive['batches_per_s']:.2f}", f"{ours['batches_per_s']:.2f}", ""),
+        (
+            "first batch (s)",
+            f"{naive['first_batch_s']:.2f}",
+            f"{ours['first_batch_s']:.2f}",
+            f"{ratios['first_batch_s']:.2f}x",
+        ),
+        ("padding", f"{naive['padding']:.1%}", f"{ours['padding']:.1%}", ""),
+        ("samples", f"{naive['samples']}", f"{ours['samples']}", ""),
+        ("batches", f"{naive['batches']}", f"{ours['batches']}", ""),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [
+        f"{result['source']}: {settings['workers']} DataLoader workers each; naive batches of "
+        f"{settings['batch_size']} samples padded to the longest, wdsvlm batches "
+        f"[{settings['batch_size']}, {settings['max_length']}] packed"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}"
+        )
+    return "\n".join(lines)
