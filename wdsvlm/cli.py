@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="wdsvlm: image/prompt/response data as WebDataset shards, for VLM training.",
         epilog="Exit codes: 0 ok, 1 runtime error, 2 usage error.",
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"wdsvlm {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     write = commands.add_parser(
@@ -111,7 +114,92 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("source", metavar="SOURCE", help="dataset folder or URL")
     _common(verify)
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="print a few samples and draw them on a contact sheet",
+        description="Print samples as stored (key, images with sizes and tiles, each turn, "
+        "token counts with --tokenizer) and write a contact sheet PNG: each sample's images "
+        "beside its turns.",
+    )
+    inspect.add_argument("source", metavar="SOURCE", help="dataset folder or URL")
+    inspect.add_argument("-n", type=int, default=5, metavar="N", help="samples (default 5)")
+    inspect.add_argument(
+        "--key", action="append", default=[], metavar="K", help="this sample (repeat for more)"
+    )
+    inspect.add_argument("--out", metavar="PNG", help="write the contact sheet here")
+    inspect.add_argument("--tokenizer", metavar="T", help="count tokens with this tokenizer")
+    _pipeline_options(inspect)
+    _common(inspect)
+
+    stats = commands.add_parser(
+        "stats",
+        help="sizes in tokens and tiles, drops, and the padding that packing saves",
+        description="Read the dataset (or its first --limit samples), tokenize it as the "
+        "loader does and print samples, images, tiles, tokens per sample, drops at "
+        "--max-length, and the padding of naive, fixed-length and packed batches; with --out, "
+        "write histograms and the batch picture as PNGs.",
+    )
+    stats.add_argument("source", metavar="SOURCE", help="dataset folder or URL")
+    stats.add_argument("--tokenizer", required=True, metavar="T", help="tokenizer name or folder")
+    stats.add_argument("--max-length", type=_positive, required=True, metavar="L")
+    stats.add_argument(
+        "--batch-size",
+        type=_positive,
+        default=8,
+        metavar="B",
+        help="samples per naive batch (default 8)",
+    )
+    stats.add_argument("--limit", type=_positive, metavar="N", help="read only N samples")
+    stats.add_argument(
+        "--out", metavar="DIR", help="write tokens.png, tiles.png and batches.png here"
+    )
+    stats.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    _pipeline_options(stats)
+    _common(stats)
+
+    bench = commands.add_parser(
+        "bench",
+        help="Loader throughput beside a naive webdataset pipeline, in one run",
+        description="Time wdsvlm.Loader and a naive webdataset pipeline doing the same work "
+        "(full decode, tokenize per sample, pad to the longest), one after the other, with "
+        "the same DataLoader workers; print rates and their ratios.",
+    )
+    bench.add_argument("source", metavar="SOURCE", help="dataset folder or URL")
+    bench.add_argument("--tokenizer", required=True, metavar="T", help="tokenizer name or folder")
+    bench.add_argument("--max-length", type=_positive, default=2048, metavar="L")
+    bench.add_argument("--batch-size", type=_positive, default=8, metavar="B")
+    bench.add_argument(
+        "--workers", type=int, default=2, metavar="N", help="DataLoader workers (default 2)"
+    )
+    bench.add_argument("--limit", type=_positive, metavar="N", help="stop after N samples")
+    bench.add_argument("--json", action="store_true", help="print the result as JSON")
+    _pipeline_options(bench)
+    _common(bench)
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _pipeline_options(parser: argparse.ArgumentParser) -> None:
+    """How images become tiles and tokens, as the Loader's arguments of the same names."""
+    parser.add_argument("--tile-size", type=_positive, default=512, metavar="PX")
+    parser.add_argument("--max-image-side", type=_positive, default=1024, metavar="PX")
+    parser.add_argument("--tokens-per-tile", type=_positive, default=64, metavar="N")
+
+
+def _image_config(args: argparse.Namespace):
+    from .images import ImageConfig
+
+    return ImageConfig(args.tile_size, args.max_image_side)
 
 
 def _write(args: argparse.Namespace) -> None:
@@ -145,24 +233,118 @@ def _verify(args: argparse.Namespace) -> None:
     )
 
 
+def _inspect(args: argparse.Namespace) -> None:
+    from .look import inspect_samples
+
+    views = inspect_samples(
+        args.source,
+        n=args.n,
+        keys=args.key,
+        tokenizer=args.tokenizer,
+        image_config=_image_config(args),
+        tokens_per_tile=args.tokens_per_tile,
+        storage_options=args.storage_options,
+    )
+    for view in views:
+        print(view.describe())
+    if args.out:
+        from .pictures import contact_sheet
+
+        width, height = contact_sheet(views, args.out)
+        print(f"contact sheet of {len(views)} samples: {args.out} ({width}x{height})")
+
+
+def _stats(args: argparse.Namespace) -> None:
+    from .look import dataset_stats
+
+    if args.out:
+        from .pictures import _pyplot
+
+        _pyplot()  # no matplotlib: say so before reading the whole dataset
+    found = dataset_stats(
+        args.source,
+        args.tokenizer,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        limit=args.limit,
+        image_config=_image_config(args),
+        tokens_per_tile=args.tokens_per_tile,
+        storage_options=args.storage_options,
+        show_progress=not args.quiet,
+    )
+    paths = []
+    if args.out:
+        import os
+
+        from .pictures import batch_picture, histograms
+
+        os.makedirs(args.out, exist_ok=True)
+        paths = histograms(found.tokens, found.tiles, args.max_length, args.out)
+        paths.append(os.path.join(args.out, "batches.png"))
+        batch_picture(found.picture, args.max_length, args.batch_size, paths[-1])
+    if args.json:
+        print(json.dumps({**found.as_dict(), "pictures": paths}, indent=2))
+        return
+    print(f"{args.source} at max_length {args.max_length}:")
+    print(found.table())
+    if paths:
+        print(f"pictures: {', '.join(paths)}")
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from .bench import bench_table, run_bench
+
+    if args.workers < 0:
+        raise ValueError(f"--workers must be 0 or more, not {args.workers}")
+    result = run_bench(
+        args.source,
+        args.tokenizer,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        limit=args.limit,
+        image_config=_image_config(args),
+        tokens_per_tile=args.tokens_per_tile,
+        storage_options=args.storage_options,
+        show_progress=not args.quiet,
+    )
+    print(json.dumps(result, indent=2) if args.json else bench_table(result))
+
+
+def _one_line(error: BaseException) -> str:
+    text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    return " ".join(str(text).split()) or type(error).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # other libraries' logs at WARNING; wdsvlm's at the level asked for
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    run = {"write": _write, "verify": _verify}[args.command]
+    logging.getLogger("wdsvlm").setLevel(level)
+    run = {
+        "write": _write,
+        "verify": _verify,
+        "inspect": _inspect,
+        "stats": _stats,
+        "bench": _bench,
+    }[args.command]
     try:
         run(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, KeyError, FileNotFoundError) as e:  # the arguments do not fit the data
         if args.verbose:
             raise
-        print(f"wdsvlm {args.command}: error: {e}", file=sys.stderr)
+        print(f"wdsvlm {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except (WdsvlmError, OSError) as e:
+    except (WdsvlmError, OSError, ImportError) as e:
         if args.verbose:
             raise
-        print(f"wdsvlm {args.command}: error: {e}", file=sys.stderr)
+        print(f"wdsvlm {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"wdsvlm {args.command}: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -255,10 +255,10 @@ def _reasons(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items()) if n)
 
 
-def naive_padding(lengths: Sequence[int], batch_size: int, seed: int = 0) -> float:
-    """Padding fraction of batches of ``batch_size`` samples in shuffled order, each padded to
-    its longest."""
-    order = list(lengths)
+def naive_padding(lengths: Mapping[str, int], batch_size: int, seed: int = 0) -> float:
+    """Padding fraction of batches of ``batch_size`` samples (``{key: tokens}``) in a seeded
+    shuffle of their key order, each padded to its longest."""
+    order = [lengths[key] for key in sorted(lengths)]
     random.Random(seed).shuffle(order)
     rows = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     room = sum(max(r) * len(r) for r in rows)
@@ -325,16 +325,16 @@ def dataset_stats(
             yield sample
 
     pack = Pack(max_length, max_tiles_per_pack=max_tiles_per_pack, window=pack_window, stats=skips)
-    fitting = []
+    fitting = {}
     for packed in pack(measured(tokenize(bar))):
-        fitting.extend(s["num_tokens"] for s in packed)
+        fitting.update((s["__key__"], s["num_tokens"]) for s in packed)
     bar.close()
     counts = dict(skips.counts)
     dropped = {r: counts.pop(r, 0) for r in PACK_REASONS}
     packs = pack.pack_stats
     padding = {
         "naive": naive_padding(fitting, batch_size, seed),
-        "fixed": 1 - sum(fitting) / (len(fitting) * max_length) if fitting else 0.0,
+        "fixed": 1 - sum(fitting.values()) / (len(fitting) * max_length) if fitting else 0.0,
         "packed": 1 - packs.fill if packs.packs else 0.0,
     }
     return DatasetStats(

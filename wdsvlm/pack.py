@@ -282,9 +282,12 @@ class Pack:
                     "pack",
                     reason,
                     sample,
-                    f"{tokens} tokens, {tiles} tiles; "
-                    f"a pack holds {self.max_length} tokens, "
-                    f"{self.max_tiles_per_pack} tiles",
+                    f"{tokens} tokens, {tiles} tiles; a pack holds {self.max_length} tokens"
+                    + (
+                        f" and {self.max_tiles_per_pack} tiles"
+                        if self.max_tiles_per_pack is not None
+                        else ""
+                    ),
                 )
                 packer.stats.dropped[reason] += 1
                 continue

@@ -43,6 +43,9 @@ def load_tokenizer(tokenizer: Any):
         return tokenizer
     from transformers import AutoTokenizer
 
+    name = str(tokenizer)
+    if (os.sep in name or name.startswith(".")) and not os.path.exists(name):
+        raise ValueError(f"cannot load the tokenizer {name!r}: there is no such folder")
     try:
         return AutoTokenizer.from_pretrained(str(tokenizer))
     except (OSError, ValueError) as e:
