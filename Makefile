@@ -13,13 +13,23 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,plots]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# The main job: check the example's shards, train the tiny VLM on them with torchrun (2 ranks,
+# gloo, CPU), then measure the data at the same settings and draw it.
+DEMO_OUT ?= demo_out
+DEMO_SETTINGS := --max-length 1024 --tile-size 128 --max-image-side 256 --tokens-per-tile 16
 demo: install
-	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py shards_example
+	$(VENV)/bin/wdsvlm verify shards_example
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 \
+		scripts/train_ddp.py --data shards_example --out $(DEMO_OUT)/train $(DEMO_SETTINGS)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/wdsvlm stats shards_example \
+		--tokenizer shards_example/tokenizer --batch-size 8 $(DEMO_SETTINGS) --out $(DEMO_OUT)/stats
+	@echo "the pictures: $(DEMO_OUT)/stats/batches.png (naive batches beside packed rows)," \
+		"tokens.png and tiles.png; the checkpoints: $(DEMO_OUT)/train/"
 
 lint: install
 	$(VENV)/bin/ruff check wdsvlm tests scripts

@@ -1,7 +1,7 @@
 """The main job: a tiny vision-language model trained with torchrun on wdsvlm's packed batches.
 
     torchrun --standalone --nproc_per_node=2 scripts/train_ddp.py [--data shards_example]
-        [--epochs 2] [--max-steps N] [--out runs/train] [--resume]
+        [--epochs 2] [--max-steps N] [--out runs/train] [--resume] [--print-keys]
 
 The model: a patch-embedding vision tower (one strided convolution per tile, one feature per
 image token) and a projector feed a tiny randomly initialised transformers Llama; the image
@@ -88,6 +88,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument(
+        "--print-keys", action="store_true", help="print each step's first sample keys"
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo")  # "nccl", and the model on the GPU, on GPU machines
@@ -130,11 +133,11 @@ def main() -> None:
             " an epoch",
             flush=True,
         )
-    done = False
+    done, losses, run_started = False, [], time.perf_counter()
     for epoch in range(first_epoch, args.epochs):
         loader.set_epoch(epoch)
         batches = iter(loader)
-        waited = computed = tokens = 0.0
+        waited = computed = tokens = room = 0.0
         started = time.perf_counter()
         while True:
             t0 = time.perf_counter()
@@ -148,9 +151,12 @@ def main() -> None:
                 batch["labels"][:, 1:].flatten(),
                 reduction="sum",
             )
-            global_tokens = batch["num_loss_tokens"].clone()
-            dist.all_reduce(global_tokens)
-            loss = loss_sum * world / global_tokens.clamp(min=1)  # DDP averages over ranks
+            # one all-reduce: the loss tokens of every rank, and the summed loss for the log
+            both = torch.stack([loss_sum.detach(), batch["num_loss_tokens"].to(loss_sum.dtype)])
+            dist.all_reduce(both)
+            global_tokens = both[1].clamp(min=1)
+            loss = loss_sum * world / global_tokens  # DDP averages gradients over ranks
+            mean_loss = (both[0] / global_tokens).item()  # over every rank's tokens
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -158,15 +164,16 @@ def main() -> None:
             waited += t1 - t0
             computed += time.perf_counter() - t1
             tokens += int(batch["attention_mask"].sum())
-            if rank == 0:
+            room += batch["attention_mask"].numel()
+            losses.append(mean_loss)
+            if rank == 0 and args.print_keys:
                 keys = batch["sample_keys"][0][:2]
                 print(f"step {step} keys {' '.join(keys)}", flush=True)
             if rank == 0 and step % args.log_every == 0:
                 elapsed = time.perf_counter() - started
-                fill = batch["attention_mask"].float().mean().item()
                 print(
-                    f"epoch {epoch} step {step}: loss {loss.item():.3f}, "
-                    f"{tokens * world / elapsed:.0f} tokens/s, fill {fill:.1%}, "
+                    f"epoch {epoch} step {step}: loss {mean_loss:.3f}, "
+                    f"{tokens * world / elapsed:.0f} tokens/s, fill {tokens / room:.1%}, "
                     f"waiting for data {waited / (waited + computed):.0%} of the time",
                     flush=True,
                 )
@@ -179,6 +186,12 @@ def main() -> None:
             break
     save()
     if rank == 0:
+        if losses:
+            print(
+                f"trained {len(losses)} steps in {time.perf_counter() - run_started:.1f} s: "
+                f"loss {losses[0]:.3f} -> {losses[-1]:.3f}",
+                flush=True,
+            )
         print(f"saved {checkpoint} at step {step}", flush=True)
     loader.close()
     dist.destroy_process_group()

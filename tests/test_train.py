@@ -18,7 +18,7 @@ def train(out, *extra) -> str:
     command = [torchrun, "--standalone", "--nproc_per_node=2", script, "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
-        [*command, "--epochs", "2", "--log-every", "2", *extra],
+        [*command, "--epochs", "2", "--log-every", "2", "--print-keys", *extra],
         capture_output=True,
         text=True,
         env=env,
@@ -37,6 +37,8 @@ def test_train_ddp_trains_and_resumes_with_the_same_batches(tmp_path):
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", whole)]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]  # it learns
+    assert re.search(r"^trained 8 steps in [\d.]+ s: loss [\d.]+ -> [\d.]+$", whole, re.M)
+    assert re.search(r"fill (\d+\.\d)%", whole) and "waiting for data" in whole
     first = train(tmp_path / "part", "--max-steps", "3")
     assert "saved" in first and max(keys_by_step(first)) == 3
     resumed = train(tmp_path / "part", "--resume", "--max-steps", "8")
