@@ -34,7 +34,7 @@ def keys_by_step(log: str) -> dict[int, str]:
 
 def test_train_ddp_trains_and_resumes_with_the_same_batches(tmp_path):
     whole = train(tmp_path / "whole", "--max-steps", "8")
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", whole)]
+    losses = [float(x) for x in re.findall(r": loss (\d+\.\d+),", whole)]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]  # it learns
     assert re.search(r"^trained 8 steps in [\d.]+ s: loss [\d.]+ -> [\d.]+$", whole, re.M)
