@@ -245,8 +245,7 @@ def _inspect(args: argparse.Namespace) -> None:
         tokens_per_tile=args.tokens_per_tile,
         storage_options=args.storage_options,
     )
-    for view in views:
-        print(view.describe())
+    print("\n\n".join(view.describe() for view in views))
     if args.out:
         from .pictures import contact_sheet
 
