@@ -224,3 +224,37 @@ def test_usage_errors_exit_2_with_the_usage():
 def test_verbose_shows_the_traceback():
     run = wdsvlm("inspect", "/no/such/dataset", "-v", check_code=1)
     assert "Traceback" in run.stderr
+
+
+def test_stats_counts_bad_samples_and_says_when_nothing_fits(llava_input, tmp_path):
+    path, root, records = llava_input
+    out = str(tmp_path / "ds")
+    wdsvlm("write", "--input", path, "--image-root", root, "--output", out, "-q")
+    shard = os.path.join(out, "data-000000.tar")
+    data = bytearray(open(shard, "rb").read())
+    at = data.index(b'{"id":"r2"')  # the text-only record's JSON member: now not JSON
+    data[at : at + 10] = b"#" * 10
+    open(shard, "wb").write(bytes(data))
+    run = wdsvlm("stats", out, "--tokenizer", TOKENIZER, "--max-length", "4096", "--json", "-q")
+    found = json.loads(run.stdout)
+    assert found["samples"] == len(records) - 1
+    assert found["skipped"] == {"invalid_json": 1}
+    assert "000000002" in run.stderr  # the warning names the sample
+    run = wdsvlm("stats", out, "--tokenizer", TOKENIZER, "--max-length", "8", "-q")
+    table = dict(line.split("  ", 1) for line in run.stdout.splitlines()[1:])
+    assert table["dropped at max_length 8"].strip() == f"{len(records) - 1} too_many_tokens"
+    assert table["padding, wdsvlm packing"].strip() == "n/a (no sample fits)"
+
+
+def test_progress_bars_stay_off_in_dataloader_workers():
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from wdsvlm.progress import progress
+
+    class Bars(IterableDataset):
+        def __iter__(self):
+            yield progress(range(3), enabled=True).disable
+
+    assert progress(range(3), enabled=True).disable is False  # on in the main process
+    assert list(DataLoader(Bars(), batch_size=None, num_workers=1)) == [True]
+    assert progress(range(3), enabled=False).disable is True

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -171,7 +172,8 @@ def _percentile(values: np.ndarray, q: float) -> float:
 @dataclass
 class DatasetStats:
     """What ``dataset_stats`` found. ``tokens`` and ``tiles``: per sample read and tokenized
-    (before the ``max_length`` cut); padding fractions are over the samples that fit."""
+    (before the ``max_length`` cut); padding fractions are over the samples that fit (None
+    when none does)."""
 
     source: str
     max_length: int
@@ -236,17 +238,24 @@ class DatasetStats:
             (f"dropped at max_length {self.max_length}", _reasons(self.dropped)),
             (
                 f"padding, naive (batches of {self.batch_size})",
-                f"{self.padding['naive']:.1%} (pad to the longest in each batch)",
+                _share(self.padding["naive"], "pad to the longest in each batch"),
             ),
-            ("padding, fixed length", f"{self.padding['fixed']:.1%} (each sample to max_length)"),
+            ("padding, fixed length", _share(self.padding["fixed"], "each sample to max_length")),
             (
                 "padding, wdsvlm packing",
-                f"{self.padding['packed']:.1%} ({kept} samples in {self.packs} rows of "
-                f"{self.max_length}, {self.samples_per_pack:.1f} per row)",
+                _share(
+                    self.padding["packed"],
+                    f"{kept} samples in {self.packs} rows of {self.max_length}, "
+                    f"{self.samples_per_pack:.1f} per row",
+                ),
             ),
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _share(value: float | None, how: str) -> str:
+    return "n/a (no sample fits)" if value is None else f"{value:.1%} ({how})"
 
 
 def _reasons(counts: Mapping[str, int]) -> str:
@@ -296,7 +305,7 @@ def dataset_stats(
     from .tokenize import Tokenize
 
     config = image_config or ImageConfig()
-    skips = SkipStats()
+    skips = SkipStats(max_consecutive=sys.maxsize)  # count every drop: no failure cap here
     tokenize = Tokenize(
         tokenizer, tokens_per_tile=tokens_per_tile, image_config=config, stats=skips
     )
@@ -332,10 +341,10 @@ def dataset_stats(
     counts = dict(skips.counts)
     dropped = {r: counts.pop(r, 0) for r in PACK_REASONS}
     packs = pack.pack_stats
-    padding = {
-        "naive": naive_padding(fitting, batch_size, seed),
-        "fixed": 1 - sum(fitting.values()) / (len(fitting) * max_length) if fitting else 0.0,
-        "packed": 1 - packs.fill if packs.packs else 0.0,
+    padding = {  # None when no sample fits
+        "naive": naive_padding(fitting, batch_size, seed) if fitting else None,
+        "fixed": 1 - sum(fitting.values()) / (len(fitting) * max_length) if fitting else None,
+        "packed": 1 - packs.fill if fitting else None,
     }
     return DatasetStats(
         source=source,
