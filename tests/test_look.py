@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 import webdataset as wds
 from PIL import Image
 
@@ -64,10 +67,36 @@ def test_inspect_prints_samples_and_draws_a_contact_sheet(tmp_path):
         tiles = tile_count(w, h, config)
         assert f"image {i}: {w}x{h} px, {tiles} tile" in out
     image_tokens = 64 * sum(tile_count(w, h, config) for w, h in first["images"])
-    assert f"({image_tokens} image, " in out.split("\n\n")[0]
+    block = out.split("\n\n")[0]
+    assert f"({image_tokens} image, " in block
+    tokenizer = Tokenize(TOKENIZER).tokenizer
+    for turn in json.loads(_member(index["shards"][0]["name"], first["key"]))["messages"]:
+        n = len(tokenizer(turn["content"], add_special_tokens=False)["input_ids"])
+        assert f"[{turn['role']}, {n} tokens] " + turn["content"].split("\n")[0] in block
+    total, image, text, supervised = map(
+        int,
+        re.search(r"tokens: (\d+) \((\d+) image, (\d+) text, (\d+) supervised\)", block).groups(),
+    )
+    assert total == image + text + supervised and supervised > 0
     assert out.count("[assistant, ") >= 3 and "[user, " in out
     assert f"contact sheet of 3 samples: {sheet} ({SHEET_WIDTH}x{3 * SHEET_ROW})" in out
     assert png_size(sheet) == (SHEET_WIDTH, 3 * SHEET_ROW)
+
+
+def _member(shard: str, key: str, ext: str = "json") -> bytes:
+    import tarfile
+
+    with tarfile.open(os.path.join(EXAMPLE, shard)) as tar:
+        return tar.extractfile(f"{key}.{ext}").read()
+
+
+def test_inspect_draws_text_only_samples(tmp_path):
+    index = json.load(open(os.path.join(EXAMPLE, "index.json")))
+    text_only = next(e["key"] for s in index["shards"] for e in s["entries"] if not e["images"])
+    sheet = str(tmp_path / "t.png")
+    run = wdsvlm("inspect", EXAMPLE, "--key", text_only, "--out", sheet)
+    assert "  no images" in run.stdout
+    assert png_size(sheet) == (SHEET_WIDTH, SHEET_ROW)
 
 
 def test_inspect_a_key_on_a_bucket(s3_bucket, tmp_path):
@@ -143,6 +172,9 @@ def test_stats_counts_drops_and_padding(tmp_path, naive_lengths):
     rows = [order[i : i + 4] for i in range(0, len(order), 4)]
     naive = 1 - sum(order) / sum(max(r) * len(r) for r in rows)
     assert found["padding"]["naive"] == pytest.approx(naive)
+    room = found["packs"] * max_length
+    assert found["packs"] >= -(-sum(fitting) // max_length)  # no row holds more than it can
+    assert found["padding"]["packed"] == pytest.approx(1 - sum(fitting) / room)
     assert found["padding"]["packed"] < min(0.1, naive / 3)  # 1.8 samples a row here
     assert found["pictures"] == [
         os.path.join(out, n) for n in ("tokens.png", "tiles.png", "batches.png")
@@ -203,7 +235,7 @@ def test_bench_compares_with_the_naive_pipeline():
             2,
             "cannot load the tokenizer '/no/tokenizer'",
         ),
-        (["bench", EXAMPLE, "--tokenizer", TOKENIZER, "--workers", "9"], 2, "fewer than"),
+        (["bench", EXAMPLE, "--tokenizer", TOKENIZER, "--workers", "-1"], 2, "0 or more"),
     ],
 )
 def test_user_errors_are_one_line(args, code, message):
@@ -240,6 +272,8 @@ def test_stats_counts_bad_samples_and_says_when_nothing_fits(llava_input, tmp_pa
     assert found["samples"] == len(records) - 1
     assert found["skipped"] == {"invalid_json": 1}
     assert "000000002" in run.stderr  # the warning names the sample
+    run = wdsvlm("inspect", out, "--key", "000000002", "--out", str(tmp_path / "bad.png"))
+    assert "PROBLEM: invalid JSON member" in run.stdout  # shown, not a crash
     run = wdsvlm("stats", out, "--tokenizer", TOKENIZER, "--max-length", "8", "-q")
     table = dict(line.split("  ", 1) for line in run.stdout.splitlines()[1:])
     assert table["dropped at max_length 8"].strip() == f"{len(records) - 1} too_many_tokens"
@@ -258,3 +292,46 @@ def test_progress_bars_stay_off_in_dataloader_workers():
     assert progress(range(3), enabled=True).disable is False  # on in the main process
     assert list(DataLoader(Bars(), batch_size=None, num_workers=1)) == [True]
     assert progress(range(3), enabled=False).disable is True
+
+
+def test_a_missing_shard_is_a_runtime_error_naming_it(llava_input, tmp_path):
+    path, root, _ = llava_input
+    out = str(tmp_path / "ds")
+    wdsvlm("write", "--input", path, "--image-root", root, "--output", out, "-q")
+    os.remove(os.path.join(out, "data-000000.tar"))
+    run = wdsvlm("inspect", out, "-n", "1", check_code=1)
+    assert "data-000000.tar" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+def test_bench_on_one_shard_gives_the_naive_side_one_worker(llava_input, tmp_path):
+    path, root, records = llava_input
+    out = str(tmp_path / "ds")
+    wdsvlm("write", "--input", path, "--image-root", root, "--output", out, "-q")
+    run = wdsvlm("bench", out, "--tokenizer", TOKENIZER, "--workers", "2", "-q", *SMALL)
+    assert "2 DataLoader workers each (naive: 1, one per shard)" in run.stdout
+
+
+def test_naive_batches_keep_tiles_uint8():
+    from wdsvlm.bench import pad_to_longest
+
+    tokenize = Tokenize(TOKENIZER, tokens_per_tile=16, image_config=ImageConfig(128, 256))
+    shard = os.path.join(EXAMPLE, sorted(n for n in os.listdir(EXAMPLE) if n.endswith(".tar"))[0])
+    stored = list(wds.WebDataset(shard, shardshuffle=False))
+    text_only = next(s for s in stored if not any(k[0].isdigit() for k in s))
+    with_image = next(s for s in stored if any(k[0].isdigit() for k in s))
+    samples = list(naive_samples(iter([text_only, with_image]), tokenize))
+    assert [s["pixel_values"].dtype for s in samples] == [np.uint8, np.uint8]
+    assert samples[0]["pixel_values"].shape == (0, 3, 128, 128)
+    assert pad_to_longest(samples)["pixel_values"].dtype == torch.uint8
+
+
+def test_hub_names_are_not_taken_for_missing_folders(monkeypatch):
+    from wdsvlm.tokenize import load_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError) as error:
+        load_tokenizer("some-org/some-model")
+    assert "cannot load the tokenizer 'some-org/some-model'" in str(error.value)
+    assert "no such folder" not in str(error.value)
+    with pytest.raises(ValueError, match="there is no such folder"):
+        load_tokenizer("./no/such/tokenizer")

@@ -91,7 +91,9 @@ def naive_samples(samples: Iterator[dict], tokenize: Tokenize) -> Iterator[dict]
             "input_ids": ids,
             "labels": labels,
             "image_tiles": tiles,
-            "pixel_values": np.concatenate(per_image) if per_image else np.zeros((0, 3, s, s)),
+            "pixel_values": np.concatenate(per_image)
+            if per_image
+            else np.zeros((0, 3, s, s), np.uint8),
         }
 
 
@@ -118,17 +120,33 @@ def pad_to_longest(samples: list[dict]) -> dict:
     }
 
 
-def _open_shards(storage_options: Mapping[str, Any] | None):
+class _OpenShards:
     """webdataset stage: shard URLs -> open streams, through fsspec (local or bucket)."""
-    from .storage import filesystem
 
-    def opener(urls):
+    def __init__(self, storage_options: Mapping[str, Any] | None):
+        self.storage_options = storage_options
+
+    def __call__(self, urls):
+        from .storage import filesystem
+
         for item in urls:
-            fs, path = filesystem(item["url"], storage_options)
+            fs, path = filesystem(item["url"], self.storage_options)
             with fs.open(path, "rb") as stream:
                 yield {"url": item["url"], "stream": stream}
 
-    return opener
+
+class _Naive:
+    """webdataset stage: ``naive_samples`` (a class, so that it pickles into workers)."""
+
+    def __init__(self, tokenize: Tokenize):
+        self.tokenize = tokenize
+
+    def __call__(self, samples):
+        return naive_samples(samples, self.tokenize)
+
+
+def _fits(sample: dict, max_length: int) -> bool:
+    return len(sample["input_ids"]) <= max_length
 
 
 def naive_pipeline(
@@ -140,17 +158,19 @@ def naive_pipeline(
 ):
     """The naive pipeline as a webdataset ``DataPipeline`` of padded batches (shards split
     over DataLoader workers)."""
+    import functools
+
     import webdataset as wds
     from webdataset.tariterators import group_by_keys, tar_file_expander
 
     return wds.DataPipeline(
         wds.SimpleShardList(urls),
         wds.split_by_worker,
-        _open_shards(storage_options),
+        _OpenShards(storage_options),
         tar_file_expander,
         group_by_keys,
-        lambda samples: naive_samples(samples, tokenize),
-        wds.select(lambda s: len(s["input_ids"]) <= max_length),
+        _Naive(tokenize),
+        wds.select(functools.partial(_fits, max_length=max_length)),
         wds.batched(batch_size, collation_fn=pad_to_longest, partial=True),
     )
 
@@ -177,9 +197,9 @@ def timed(batches, limit: int | None, bar) -> dict:
         "batches": count,
         "tokens": tokens,
         "seconds": seconds,
-        "samples_per_s": samples / seconds,
-        "tokens_per_s": tokens / seconds,
-        "batches_per_s": count / seconds,
+        "samples_per_s": samples / seconds if seconds else 0.0,
+        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "batches_per_s": count / seconds if seconds else 0.0,
         "first_batch_s": first if first is not None else float("nan"),
         "padding": 1 - tokens / cells if cells else 0.0,
     }
@@ -198,9 +218,11 @@ def run_bench(
     storage_options: Mapping[str, Any] | None = None,
     show_progress: bool = True,
 ) -> dict:
-    """Throughput of the naive pipeline, then of ``wdsvlm.Loader``, over one pass of
-    ``source`` (or until ``limit`` samples), with ``workers`` DataLoader workers each; the
-    ratios are wdsvlm over naive. Times to the first batch include starting the workers."""
+    """Throughput of the naive pipeline over one pass of ``source``, then of ``wdsvlm.Loader``
+    over one epoch (``len(loader)`` batches: about a pass), or each until ``limit`` samples,
+    with ``workers`` DataLoader workers each (the naive pipeline splits whole shards, so it
+    gets at most one worker per shard). The ratios are wdsvlm over naive (None where the naive
+    side gave nothing). Times to the first batch include starting the workers."""
     from torch.utils.data import DataLoader
 
     from .loader import Loader
@@ -209,18 +231,15 @@ def run_bench(
     config = image_config or ImageConfig()
     tokenize = Tokenize(tokenizer, tokens_per_tile=tokens_per_tile, image_config=config)
     index, urls = resolve_source(source, storage_options)
-    total = index["totals"]["samples"] if limit is None else min(limit, index["totals"]["samples"])
-    if workers > len(urls):
-        raise ValueError(
-            f"{source} has {len(urls)} shards, fewer than --workers {workers}: the naive "
-            "pipeline splits whole shards over its workers"
-        )
+    samples = sum(shard["samples"] for shard in index["shards"])
+    total = samples if limit is None else min(limit, samples)
+    naive_workers = min(workers, len(urls))
     results = {}
     with progress(total=total, enabled=show_progress, desc="naive", unit=" samples") as bar:
         naive = DataLoader(
             naive_pipeline(urls, tokenize, max_length, batch_size, storage_options),
             batch_size=None,
-            num_workers=workers,
+            num_workers=naive_workers,
         )
         results["naive"] = timed(naive, limit, bar)
     with progress(total=total, enabled=show_progress, desc="wdsvlm", unit=" samples") as bar:
@@ -248,12 +267,17 @@ def run_bench(
             ours[f"{rate}_per_s"] = ours[rate] / (ours["seconds"] + set_up)
         ours["seconds"] += set_up
     naive, ours = results["naive"], results["wdsvlm"]
+
+    def ratio(name: str) -> float | None:
+        return ours[name] / naive[name] if naive[name] and naive["samples"] else None
+
     return {
         "source": source,
         "settings": {
             "max_length": max_length,
             "batch_size": batch_size,
             "workers": workers,
+            "naive_workers": naive_workers,
             "limit": limit,
             "tile_size": config.tile_size,
             "max_image_side": config.max_image_side,
@@ -261,11 +285,13 @@ def run_bench(
         },
         **results,
         "ratios": {
-            "samples_per_s": ours["samples_per_s"] / naive["samples_per_s"],
-            "tokens_per_s": ours["tokens_per_s"] / naive["tokens_per_s"],
-            "first_batch_s": ours["first_batch_s"] / naive["first_batch_s"],
+            name: ratio(name) for name in ("samples_per_s", "tokens_per_s", "first_batch_s")
         },
     }
+
+
+def _times(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
 def bench_table(result: dict) -> str:
@@ -278,28 +304,31 @@ def bench_table(result: dict) -> str:
             "samples/s",
             f"{naive['samples_per_s']:.1f}",
             f"{ours['samples_per_s']:.1f}",
-            f"{ratios['samples_per_s']:.2f}x",
+            _times(ratios["samples_per_s"]),
         ),
         (
             "tokens/s (real)",
             f"{naive['tokens_per_s']:.0f}",
             f"{ours['tokens_per_s']:.0f}",
-            f"{ratios['tokens_per_s']:.2f}x",
+            _times(ratios["tokens_per_s"]),
         ),
         ("batches/s", f"{naive['batches_per_s']:.2f}", f"{ours['batches_per_s']:.2f}", ""),
         (
             "first batch (s)",
             f"{naive['first_batch_s']:.2f}",
             f"{ours['first_batch_s']:.2f}",
-            f"{ratios['first_batch_s']:.2f}x",
+            _times(ratios["first_batch_s"]),
         ),
         ("padding", f"{naive['padding']:.1%}", f"{ours['padding']:.1%}", ""),
         ("samples", f"{naive['samples']}", f"{ours['samples']}", ""),
         ("batches", f"{naive['batches']}", f"{ours['batches']}", ""),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    workers = f"{settings['workers']} DataLoader workers each"
+    if settings["naive_workers"] < settings["workers"]:
+        workers += f" (naive: {settings['naive_workers']}, one per shard)"
     lines = [
-        f"{result['source']}: {settings['workers']} DataLoader workers each; naive batches of "
+        f"{result['source']}: {workers}; naive batches of "
         f"{settings['batch_size']} samples padded to the longest, wdsvlm batches "
         f"[{settings['batch_size']}, {settings['max_length']}] packed"
     ]

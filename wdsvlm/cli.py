@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "beside its turns.",
     )
     inspect.add_argument("source", metavar="SOURCE", help="dataset folder or URL")
-    inspect.add_argument("-n", type=int, default=5, metavar="N", help="samples (default 5)")
+    inspect.add_argument("-n", type=_positive, default=5, metavar="N", help="samples (default 5)")
     inspect.add_argument(
         "--key", action="append", default=[], metavar="K", help="this sample (repeat for more)"
     )
@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--limit", type=_positive, metavar="N", help="read only N samples")
     stats.add_argument(
         "--out", metavar="DIR", help="write tokens.png, tiles.png and batches.png here"
+    )
+    stats.add_argument(
+        "--max-tiles-per-pack",
+        type=_positive,
+        metavar="N",
+        help="as the Loader's max_tiles_per_pack (default: no limit)",
     )
     stats.add_argument("--json", action="store_true", help="print the numbers as JSON")
     _pipeline_options(stats)
@@ -268,6 +274,7 @@ def _stats(args: argparse.Namespace) -> None:
         limit=args.limit,
         image_config=_image_config(args),
         tokens_per_tile=args.tokens_per_tile,
+        max_tiles_per_pack=args.max_tiles_per_pack,
         storage_options=args.storage_options,
         show_progress=not args.quiet,
     )
@@ -311,8 +318,7 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _one_line(error: BaseException) -> str:
-    text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-    return " ".join(str(text).split()) or type(error).__name__
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,12 +337,17 @@ def main(argv: list[str] | None = None) -> int:
     }[args.command]
     try:
         run(args)
-    except (ValueError, KeyError, FileNotFoundError) as e:  # the arguments do not fit the data
+    except WdsvlmError as e:  # bad data, a failed read or write, a dataset not as it should be
+        if args.verbose:
+            raise
+        print(f"wdsvlm {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as e:  # an argument: a path, key, tokenizer, value
         if args.verbose:
             raise
         print(f"wdsvlm {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except (WdsvlmError, OSError, ImportError) as e:
+    except (OSError, ImportError) as e:
         if args.verbose:
             raise
         print(f"wdsvlm {args.command}: error: {_one_line(e)}", file=sys.stderr)

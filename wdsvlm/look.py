@@ -15,10 +15,8 @@ from typing import Any
 import numpy as np
 
 from .images import ImageConfig, image_members, tile_count, tile_grid
-from .index import load_index
 from .progress import progress
 from .stats import SkipStats
-from .storage import join
 
 log = logging.getLogger("wdsvlm.look")
 
@@ -27,11 +25,12 @@ PAD, TEXT, IMAGE, SUPERVISED = 0, 1, 2, 3
 PACK_REASONS = ("too_many_tokens", "too_many_tiles")
 
 
-def _spans(source: str, index: dict, entries: Sequence[tuple[str, dict]]) -> Iterator[dict]:
-    """One read span per ``(shard name, index entry)``, as ``ReadSamples`` takes them."""
-    for shard, entry in entries:
+def _spans(picked: Sequence[tuple[str, str, dict]]) -> Iterator[dict]:
+    """One read span per ``(shard URL, shard name, index entry)``, as ``ReadSamples`` takes
+    them."""
+    for url, shard, entry in picked:
         yield {
-            "url": join(source, shard),
+            "url": url,
             "shard": shard,
             "start": entry["offset"],
             "stop": entry["offset"] + entry["size"],
@@ -41,20 +40,26 @@ def _spans(source: str, index: dict, entries: Sequence[tuple[str, dict]]) -> Ite
         }
 
 
-def pick_entries(index: dict, n: int, keys: Sequence[str] = ()) -> list[tuple[str, dict]]:
-    """``(shard name, entry)`` of the samples with ``keys`` (in that order), or else the first
-    ``n`` samples of the dataset. An unknown key is a ``KeyError`` naming it."""
-    if keys:
-        where = {e["key"]: (s["name"], e) for s in index["shards"] for e in s["entries"]}
-        missing = [k for k in keys if k not in where]
-        if missing:
-            some = ", ".join(list(where)[:3])
-            raise KeyError(
-                f"no sample with key {', '.join(missing)} in the dataset (keys look like {some})"
-            )
-        return [where[k] for k in keys]
-    every = ((s["name"], e) for s in index["shards"] for e in s["entries"])
-    return list(itertools.islice(every, n))
+def pick_entries(
+    index: dict, urls: Sequence[str], n: int, keys: Sequence[str] = ()
+) -> list[tuple[str, str, dict]]:
+    """``(shard URL, shard name, entry)`` of the samples with ``keys`` (in that order), or else
+    the first ``n`` samples. An unknown key is a ``ValueError`` naming it."""
+    every = (
+        (url, s["name"], e)
+        for s, url in zip(index["shards"], urls, strict=True)
+        for e in s["entries"]
+    )
+    if not keys:
+        return list(itertools.islice(every, n))
+    where = {e["key"]: (url, name, e) for url, name, e in every}
+    missing = [k for k in keys if k not in where]
+    if missing:
+        some = ", ".join(list(where)[:3])
+        raise ValueError(
+            f"no sample with key {', '.join(missing)} in the dataset (keys look like {some})"
+        )
+    return [where[k] for k in keys]
 
 
 @dataclass
@@ -70,6 +75,7 @@ class SampleView:
     grids: list[tuple[int, int]]
     turn_tokens: list[int] | None = None  # text tokens of each turn's content
     tokens: dict[str, int] | None = None  # whole sample: total, image, text, supervised
+    problem: str | None = None  # why the loader would skip it (invalid JSON, ...)
 
     def describe(self, max_chars: int = 400) -> str:
         lines = [f"{self.key}  ({self.shard})"]
@@ -87,6 +93,8 @@ class SampleView:
                 text = text[:max_chars] + f"... ({len(m['content']) - max_chars} more chars)"
             count = f", {self.turn_tokens[i]} tokens" if self.turn_tokens else ""
             lines.append(f"  [{m['role']}{count}] " + text.replace("\n", "\n    "))
+        if self.problem:
+            lines.append(f"  PROBLEM: {self.problem}")
         if self.tokens:
             t = self.tokens
             lines.append(
@@ -108,51 +116,68 @@ def inspect_samples(
 ) -> list[SampleView]:
     """The first ``n`` samples of ``source`` (or those with ``keys``), read by their index
     offsets; with a ``tokenizer``, their token counts as the loader would make them."""
-    import json
 
+    from .plan import resolve_source
     from .read import ReadSamples
 
     config = image_config or ImageConfig()
-    index = load_index(source, storage_options)
-    entries = pick_entries(index, n, keys)
+    index, urls = resolve_source(source, storage_options)
+    picked = pick_entries(index, urls, n, keys)
     stats = SkipStats()
-    samples = list(ReadSamples(storage_options, stats=stats)(_spans(source, index, entries)))
+    samples = list(ReadSamples(storage_options, stats=stats)(_spans(picked)))
     if stats.counts:
         log.warning("could not read every sample: %s", stats.as_dict(examples=3))
     tokenize = None
     if tokenizer is not None:
         from .tokenize import Tokenize
 
-        tokenize = Tokenize(tokenizer, tokens_per_tile=tokens_per_tile, image_config=config)
-    views = []
-    for sample in samples:
-        sizes = [tuple(s) for s in sample["__meta__"]["images"]]
-        view = SampleView(
-            key=sample["__key__"],
-            shard=sample["__shard__"],
-            messages=json.loads(sample["json"])["messages"],
-            images=[sample[name] for name in image_members(sample)],
-            sizes=sizes,
-            tiles=[tile_count(w, h, config) for w, h in sizes],
-            grids=[tile_grid(w, h, config) for w, h in sizes],
+        tokenize = Tokenize(
+            tokenizer, tokens_per_tile=tokens_per_tile, image_config=config, stats=stats
         )
-        if tokenize is not None:
-            encode = tokenize.tokenizer
-            view.turn_tokens = [
-                len(encode(m["content"], add_special_tokens=False)["input_ids"])
-                for m in view.messages
-            ]
-            encoded = tokenize.encode([dict(sample)])
-            if encoded:
-                kinds = token_kinds(encoded[0], tokenize.image_token_id)
-                view.tokens = {
-                    "total": len(kinds),
-                    "image": int((kinds == IMAGE).sum()),
-                    "text": int((kinds == TEXT).sum()),
-                    "supervised": int((kinds == SUPERVISED).sum()),
-                }
-        views.append(view)
-    return views
+    return [_view(sample, config, tokenize) for sample in samples]
+
+
+def _view(sample: dict, config: ImageConfig, tokenize) -> SampleView:
+    import json
+
+    sizes = [tuple(s) for s in sample["__meta__"]["images"]]
+    view = SampleView(
+        key=sample["__key__"],
+        shard=sample["__shard__"],
+        messages=[],
+        images=[sample[name] for name in image_members(sample)],
+        sizes=sizes,
+        tiles=[tile_count(w, h, config) for w, h in sizes],
+        grids=[tile_grid(w, h, config) for w, h in sizes],
+    )
+    try:
+        view.messages = [
+            {"role": str(m["role"]), "content": str(m["content"])}
+            for m in json.loads(sample["json"])["messages"]
+        ]
+    except (KeyError, TypeError, ValueError) as e:
+        view.problem = f"invalid JSON member ({type(e).__name__}: {e})"
+        return view
+    if tokenize is None:
+        return view
+    encode = tokenize.tokenizer
+    view.turn_tokens = [
+        len(encode(m["content"], add_special_tokens=False)["input_ids"]) for m in view.messages
+    ]
+    before = dict(tokenize.stats.counts)
+    encoded = tokenize.encode([dict(sample)])
+    if encoded:
+        kinds = token_kinds(encoded[0], tokenize.image_token_id)
+        view.tokens = {
+            "total": len(kinds),
+            "image": int((kinds == IMAGE).sum()),
+            "text": int((kinds == TEXT).sum()),
+            "supervised": int((kinds == SUPERVISED).sum()),
+        }
+    else:
+        reasons = [r for r, n in tokenize.stats.counts.items() if n > before.get(r, 0)]
+        view.problem = f"the loader would skip it: {', '.join(reasons) or 'not tokenized'}"
+    return view
 
 
 def token_kinds(sample: dict, image_token_id: int) -> np.ndarray:
@@ -264,9 +289,9 @@ def _reasons(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items()) if n)
 
 
-def naive_padding(lengths: Mapping[str, int], batch_size: int, seed: int = 0) -> float:
-    """Padding fraction of batches of ``batch_size`` samples (``{key: tokens}``) in a seeded
-    shuffle of their key order, each padded to its longest."""
+def naive_padding(lengths: Mapping[Any, int], batch_size: int, seed: int = 0) -> float:
+    """Padding fraction of batches of ``batch_size`` samples (``{(shard, key): tokens}``) in a
+    seeded shuffle of their sorted order, each padded to its longest."""
     order = [lengths[key] for key in sorted(lengths)]
     random.Random(seed).shuffle(order)
     rows = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
@@ -310,7 +335,7 @@ def dataset_stats(
         tokenizer, tokens_per_tile=tokens_per_tile, image_config=config, stats=skips
     )
     plan = Plan(source, seed=seed, worker_config=WorkerConfig(), storage_options=storage_options)
-    total = plan.index["totals"]["samples"]
+    total = plan.num_samples
     if limit is not None:
         total = min(total, limit)
     read = ReadSamples(storage_options, stats=skips)(plan)
@@ -334,9 +359,9 @@ def dataset_stats(
             yield sample
 
     pack = Pack(max_length, max_tiles_per_pack=max_tiles_per_pack, window=pack_window, stats=skips)
-    fitting = {}
+    fitting = {}  # by (shard, key): keys of foreign shards need not be unique
     for packed in pack(measured(tokenize(bar))):
-        fitting.update((s["__key__"], s["num_tokens"]) for s in packed)
+        fitting.update(((s["__shard__"], s["__key__"]), s["num_tokens"]) for s in packed)
     bar.close()
     counts = dict(skips.counts)
     dropped = {r: counts.pop(r, 0) for r in PACK_REASONS}

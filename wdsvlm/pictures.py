@@ -10,8 +10,9 @@ import os
 from collections.abc import Sequence
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw, ImageFont, ImageOps
 
+from .images import _BAD_IMAGE, to_rgb
 from .look import IMAGE, SUPERVISED, TEXT, SampleView
 
 SHEET_WIDTH, SHEET_ROW = 1200, 220  # contact sheet: SHEET_WIDTH x (SHEET_ROW * samples)
@@ -75,6 +76,19 @@ def _wrapped(text: str, font, width: float) -> list[str]:
     return lines
 
 
+def _thumbnail(data: bytes, box: tuple[int, int]) -> Image.Image | None:
+    """The image as displayed (EXIF orientation, RGB on white) within ``box``, or None when it
+    does not decode."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.draft("RGB", (max(box), max(box)))  # JPEGs: decode at a reduced size
+            thumb = to_rgb(ImageOps.exif_transpose(img))
+            thumb.thumbnail(box)
+            return thumb
+    except _BAD_IMAGE:
+        return None
+
+
 def contact_sheet(views: Sequence[SampleView], path: str) -> tuple[int, int]:
     """Each sample in one row of ``SHEET_ROW`` pixels: its images, then its key and turns.
     Writes a PNG of ``SHEET_WIDTH x SHEET_ROW * len(views)`` pixels; returns that size."""
@@ -93,11 +107,12 @@ def contact_sheet(views: Sequence[SampleView], path: str) -> tuple[int, int]:
             box_w = (pictures_width - pad * (len(shown) - 1)) // len(shown)
             x = pad
             for data in shown:
-                with Image.open(io.BytesIO(data)) as img:
-                    thumb = img.convert("RGB")
-                    thumb.thumbnail((box_w, SHEET_ROW - 2 * pad))
-                y = top + (SHEET_ROW - thumb.height) // 2
-                sheet.paste(thumb, (x + (box_w - thumb.width) // 2, y))
+                thumb = _thumbnail(data, (box_w, SHEET_ROW - 2 * pad))
+                if thumb is None:
+                    draw.text((x, top + pad), "(unreadable image)", fill="#c44e52", font=font)
+                else:
+                    y = top + (SHEET_ROW - thumb.height) // 2
+                    sheet.paste(thumb, (x + (box_w - thumb.width) // 2, y))
                 x += box_w + pad
         else:
             draw.text((pad, top + pad), "(text only)", fill="#888888", font=font)
@@ -107,6 +122,8 @@ def contact_sheet(views: Sequence[SampleView], path: str) -> tuple[int, int]:
         if len(view.images) > len(shown):
             title += f", {len(view.images) - len(shown)} not shown"
         lines = [(title, bold, "black")]
+        if view.problem:
+            lines.append((f"PROBLEM: {view.problem}", font, "#c44e52"))
         for m in view.messages:
             colour = "#1f5f2f" if m["role"] == "assistant" else "#1f3f7f"
             for line in _wrapped(f"{m['role']}: {m['content']}", font, SHEET_WIDTH - text_x - pad):

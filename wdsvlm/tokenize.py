@@ -44,7 +44,8 @@ def load_tokenizer(tokenizer: Any):
     from transformers import AutoTokenizer
 
     name = str(tokenizer)
-    if (os.sep in name or name.startswith(".")) and not os.path.exists(name):
+    local = os.path.isabs(name) or name.startswith(("./", "../", "~"))  # "org/name" is a hub id
+    if local and not os.path.exists(os.path.expanduser(name)):
         raise ValueError(f"cannot load the tokenizer {name!r}: there is no such folder")
     try:
         return AutoTokenizer.from_pretrained(str(tokenizer))
