@@ -242,6 +242,8 @@ def _verify(args: argparse.Namespace) -> None:
 def _inspect(args: argparse.Namespace) -> None:
     from .look import inspect_samples
 
+    if args.tokenizer is None:
+        logging.getLogger("wdsvlm.cli").info("token counts: pass --tokenizer T")
     views = inspect_samples(
         args.source,
         n=args.n,
