@@ -242,8 +242,6 @@ def _verify(args: argparse.Namespace) -> None:
 def _inspect(args: argparse.Namespace) -> None:
     from .look import inspect_samples
 
-    if args.tokenizer is None:
-        logging.getLogger("wdsvlm.cli").info("token counts: pass --tokenizer T")
     views = inspect_samples(
         args.source,
         n=args.n,
@@ -254,6 +252,8 @@ def _inspect(args: argparse.Namespace) -> None:
         storage_options=args.storage_options,
     )
     print("\n\n".join(view.describe() for view in views))
+    if args.tokenizer is None:
+        print("(token counts: pass --tokenizer T)")
     if args.out:
         from .pictures import contact_sheet
 
