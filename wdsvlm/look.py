@@ -115,15 +115,15 @@ def inspect_samples(
     storage_options: Mapping[str, Any] | None = None,
 ) -> list[SampleView]:
     """The first ``n`` samples of ``source`` (or those with ``keys``), read by their index
-    offsets; with a ``tokenizer``, their token counts as the loader would make them."""
-
+    offsets; with a ``tokenizer``, their token counts as the loader would make them. A sample
+    the loader would skip is shown with its ``problem``."""
     from .plan import resolve_source
     from .read import ReadSamples
 
     config = image_config or ImageConfig()
     index, urls = resolve_source(source, storage_options)
     picked = pick_entries(index, urls, n, keys)
-    stats = SkipStats()
+    stats = SkipStats(max_consecutive=sys.maxsize)  # bad samples are shown, however many
     samples = list(ReadSamples(storage_options, stats=stats)(_spans(picked)))
     if stats.counts:
         log.warning("could not read every sample: %s", stats.as_dict(examples=3))
