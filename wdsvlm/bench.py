@@ -200,7 +200,7 @@ def timed(batches, limit: int | None, bar) -> dict:
         "samples_per_s": samples / seconds if seconds else 0.0,
         "tokens_per_s": tokens / seconds if seconds else 0.0,
         "batches_per_s": count / seconds if seconds else 0.0,
-        "first_batch_s": first if first is not None else float("nan"),
+        "first_batch_s": first,  # None when there was no batch
         "padding": 1 - tokens / cells if cells else 0.0,
     }
 
@@ -262,14 +262,17 @@ def run_bench(
         finally:
             loader.close()
         ours = results["wdsvlm"]  # the Loader's set-up (sizing the epoch) counts too
-        ours["first_batch_s"] += set_up
+        if ours["first_batch_s"] is not None:
+            ours["first_batch_s"] += set_up
         for rate in ("samples", "tokens", "batches"):
             ours[f"{rate}_per_s"] = ours[rate] / (ours["seconds"] + set_up)
         ours["seconds"] += set_up
     naive, ours = results["naive"], results["wdsvlm"]
 
     def ratio(name: str) -> float | None:
-        return ours[name] / naive[name] if naive[name] and naive["samples"] else None
+        if not naive[name] or not ours[name] or not naive["samples"]:
+            return None
+        return ours[name] / naive[name]
 
     return {
         "source": source,
@@ -294,6 +297,10 @@ def _times(ratio: float | None) -> str:
     return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def bench_table(result: dict) -> str:
     """The result of ``run_bench`` as a table."""
     naive, ours, ratios = result["naive"], result["wdsvlm"], result["ratios"]
@@ -315,8 +322,8 @@ def bench_table(result: dict) -> str:
         ("batches/s", f"{naive['batches_per_s']:.2f}", f"{ours['batches_per_s']:.2f}", ""),
         (
             "first batch (s)",
-            f"{naive['first_batch_s']:.2f}",
-            f"{ours['first_batch_s']:.2f}",
+            _seconds(naive["first_batch_s"]),
+            _seconds(ours["first_batch_s"]),
             _times(ratios["first_batch_s"]),
         ),
         ("padding", f"{naive['padding']:.1%}", f"{ours['padding']:.1%}", ""),
