@@ -208,6 +208,16 @@ def _image_config(args: argparse.Namespace):
     return ImageConfig(args.tile_size, args.max_image_side)
 
 
+def _reading(args: argparse.Namespace) -> dict:
+    """The arguments ``stats`` and ``bench`` read and tokenize the data with."""
+    return {
+        "image_config": _image_config(args),
+        "tokens_per_tile": args.tokens_per_tile,
+        "storage_options": args.storage_options,
+        "show_progress": not args.quiet,
+    }
+
+
 def _write(args: argparse.Namespace) -> None:
     from .write import write_dataset
 
@@ -265,20 +275,17 @@ def _stats(args: argparse.Namespace) -> None:
     from .look import dataset_stats
 
     if args.out:
-        from .pictures import _pyplot
+        from .pictures import pyplot
 
-        _pyplot()  # no matplotlib: say so before reading the whole dataset
+        pyplot()  # no matplotlib: say so before reading the whole dataset
     found = dataset_stats(
         args.source,
         args.tokenizer,
         max_length=args.max_length,
         batch_size=args.batch_size,
         limit=args.limit,
-        image_config=_image_config(args),
-        tokens_per_tile=args.tokens_per_tile,
         max_tiles_per_pack=args.max_tiles_per_pack,
-        storage_options=args.storage_options,
-        show_progress=not args.quiet,
+        **_reading(args),
     )
     paths = []
     if args.out:
@@ -311,10 +318,7 @@ def _bench(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         workers=args.workers,
         limit=args.limit,
-        image_config=_image_config(args),
-        tokens_per_tile=args.tokens_per_tile,
-        storage_options=args.storage_options,
-        show_progress=not args.quiet,
+        **_reading(args),
     )
     print(json.dumps(result, indent=2) if args.json else bench_table(result))
 

@@ -327,7 +327,7 @@ def dataset_stats(
     from .pack import Pack
     from .plan import Plan, WorkerConfig
     from .read import ReadSamples
-    from .tokenize import Tokenize
+    from .tokenize import IGNORE_INDEX, Tokenize
 
     config = image_config or ImageConfig()
     skips = SkipStats(max_consecutive=sys.maxsize)  # count every drop: no failure cap here
@@ -350,7 +350,7 @@ def dataset_stats(
             tokens.append(sample["num_tokens"])
             tiles.append(sum(sample["image_tiles"]))
             images += len(sample["image_tiles"])
-            supervised += int((sample["labels"] != -100).sum())
+            supervised += int((sample["labels"] != IGNORE_INDEX).sum())
             if len(picture) < picture_samples:
                 picture.append(token_kinds(sample, tokenize.image_token_id))
             del sample["input_ids"], sample["labels"]  # only sizes are needed from here

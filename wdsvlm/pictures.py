@@ -35,7 +35,8 @@ _COLOURS = [
 _KIND_COLOUR = {TEXT: 2, IMAGE: 3, SUPERVISED: 4}
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or an ImportError that says how to install it."""
     try:
         import matplotlib
     except ImportError:
@@ -137,10 +138,17 @@ def contact_sheet(views: Sequence[SampleView], path: str) -> tuple[int, int]:
     return size
 
 
+def _save(fig, path: str, rect=(0, 0, 1, 1)) -> None:
+    """Write ``fig`` as a PNG of exactly its size in pixels, then free it."""
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=_DPI)
+    pyplot().close(fig)
+
+
 def histograms(tokens: np.ndarray, tiles: np.ndarray, max_length: int, folder: str) -> list[str]:
     """``tokens.png`` (tokens per sample, ``max_length`` marked) and ``tiles.png`` (tiles per
     sample) in ``folder``, each ``HISTOGRAM_SIZE`` pixels; returns their paths."""
-    plt = _pyplot()
+    plt = pyplot()
     paths = []
     figsize = (HISTOGRAM_SIZE[0] / _DPI, HISTOGRAM_SIZE[1] / _DPI)
 
@@ -162,9 +170,7 @@ def histograms(tokens: np.ndarray, tiles: np.ndarray, max_length: int, folder: s
         title=f"Tokens per sample ({len(tokens)} samples)",
     )
     paths.append(os.path.join(folder, "tokens.png"))
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=_DPI)
-    plt.close(fig)
+    _save(fig, paths[-1])
 
     fig, ax = plt.subplots(figsize=figsize, dpi=_DPI)
     top = int(tiles.max()) if len(tiles) else 0
@@ -176,9 +182,7 @@ def histograms(tokens: np.ndarray, tiles: np.ndarray, max_length: int, folder: s
         title=f"Tiles per sample ({int(tiles.sum())} tiles in {len(tiles)} samples)",
     )
     paths.append(os.path.join(folder, "tiles.png"))
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=_DPI)
-    plt.close(fig)
+    _save(fig, paths[-1])
     return paths
 
 
@@ -242,7 +246,7 @@ def batch_picture(
     from matplotlib.colors import BoundaryNorm, ListedColormap
     from matplotlib.patches import Patch
 
-    plt = _pyplot()
+    plt = pyplot()
     naive, packed, facts = batch_grids(kinds, max_length, batch_size, rows)
     cmap = ListedColormap(_COLOURS)
     norm = BoundaryNorm(np.arange(len(_COLOURS) + 1) - 0.5, len(_COLOURS))
@@ -283,7 +287,5 @@ def batch_picture(
         Patch(color=_COLOURS[1], label="padding"),
     ]
     fig.legend(handles=legend, loc="lower center", ncol=4, frameon=False)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=_DPI)
-    plt.close(fig)
+    _save(fig, path, rect=(0, 0.05, 1, 1))
     return facts
