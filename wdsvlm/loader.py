@@ -34,6 +34,7 @@ from .stats import SkipStats
 from .storage import ReadPolicy
 from .stream import STATE_KEY, STATS_KEY, Stream, fresh_state
 from .tokenize import Tokenize
+from .workers import check_context, check_main_guarded, worker_context
 
 log = logging.getLogger("wdsvlm.loader")
 
@@ -111,6 +112,7 @@ class Loader:
         pin_memory: bool = False,
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
+        multiprocessing_context: str | None = None,
         max_consecutive_failures: int = 100,
         image_token: str | None = None,
         chat_template: str | None = None,
@@ -123,6 +125,7 @@ class Loader:
             )
         if batches_per_epoch is not None and batches_per_epoch < 1:
             raise ValueError(f"batches_per_epoch must be at least 1, not {batches_per_epoch}")
+        context = check_context(multiprocessing_context)
         environment = WorkerConfig.from_environment(num_workers)
         self.worker_config = WorkerConfig(
             environment.rank if rank is None else rank,
@@ -216,6 +219,9 @@ class Loader:
         }
         if num_workers:
             self.dataloader_options["prefetch_factor"] = prefetch_factor or 2
+            self.dataloader_options["multiprocessing_context"] = worker_context(
+                context, (type(tok).__module__,)
+            )
         self._config = {  # what a saved state must agree with to resume exactly
             "dataset": self._dataset_id(),
             "seed": seed,
@@ -380,6 +386,10 @@ class Loader:
         self._worker_stats = {}
         self._yielded = [0, 0, 0, 0]  # packs, samples, tokens, tiles
         if self._dataloader is None:  # kept, so that persistent workers persist
+            if self.dataloader_options["num_workers"]:
+                check_main_guarded(
+                    self.dataloader_options["multiprocessing_context"].get_start_method()
+                )
             self._dataloader = DataLoader(self.stream, **self.dataloader_options)
         whole = self._done == 0
         self._reusable = False

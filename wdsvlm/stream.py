@@ -102,6 +102,9 @@ class Stream(IterableDataset):
         }
         self._live: dict | None = None
 
+    def __getstate__(self):  # what a worker gets: the job, not a running stream
+        return {**self.__dict__, "_live": None}
+
     @property
     def workers(self) -> int:
         return self.plan.worker_config.workers_per_rank

@@ -1,0 +1,112 @@
+"""How the Loader's DataLoader workers start: from a process that holds no threads.
+
+A training process is threaded whatever wdsvlm does: gloo and NCCL keep C++ threads, torch's
+C++ threads release Python-owned tensors, tokenizers and fsspec keep their own. When such a
+thread enters Python (``PyGILState_Ensure``) it takes the interpreter's thread-list lock
+without holding the GIL; a worker forked at that moment inherits the lock held and waits for
+it forever in ``PyOS_AfterFork_Child``, before it runs a line of Python (CPython gh-112275,
+seen on 3.11.7). The DataLoader sees that worker alive, so the job hangs silently.
+
+So workers start from a ``forkserver`` by default: a process started once (fork + exec, which
+is safe from a threaded process) that imports the pipeline's modules, runs no thread, and
+forks each worker. ``"spawn"`` works too (each worker imports everything itself);
+``"fork"`` is allowed for those who know their process holds no thread at worker start.
+"""
+
+from __future__ import annotations
+
+import ast
+import multiprocessing
+import sys
+from typing import Any
+
+CONTEXTS = ("forkserver", "spawn", "fork")
+
+# Imported once in the fork server, so that each worker forked from it starts with them.
+_PRELOAD = ("wdsvlm.stream",)
+
+
+def default_context() -> str:
+    """``forkserver`` where the platform has it (Linux, macOS), else ``spawn``."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def check_context(name: str | None) -> str:
+    """The start method to use: ``name`` checked, or the default."""
+    if name is None:
+        return default_context()
+    if name not in CONTEXTS or name not in multiprocessing.get_all_start_methods():
+        available = [c for c in CONTEXTS if c in multiprocessing.get_all_start_methods()]
+        raise ValueError(
+            f"multiprocessing_context {name!r} is not one of {available} on {sys.platform}"
+        )
+    return name
+
+
+def worker_context(name: str, preload: tuple[str, ...] = ()) -> Any:
+    """The multiprocessing context DataLoader workers start with. For ``forkserver``, the
+    pipeline's modules (and ``preload``: e.g. the tokenizer's module) are added to what the
+    fork server imports, so that a worker does not import torch itself; that takes effect when
+    the server starts, the first time this process starts a worker."""
+    context = multiprocessing.get_context(name)
+    if name == "forkserver":
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver  # the process-wide server; its list is private
+        current = list(getattr(server, "_preload_modules", ["__main__"]))
+        wanted = [m for m in (*_PRELOAD, *preload) if m and m not in current]
+        if wanted:
+            context.set_forkserver_preload(current + wanted)
+    return context
+
+
+def check_main_guarded(name: str) -> None:
+    """Refuse, with the fix, to start ``spawn``/``forkserver`` workers from the top-level code
+    of a script: each worker imports the main module again, which would run that code (the
+    training loop, ``init_process_group``) once more in the worker instead of the pipeline.
+    Code under ``if __name__ == "__main__":`` or in functions called from there is fine."""
+    if name == "fork":
+        return
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None or not path.endswith(".py"):
+        return  # python -c, a notebook, an interpreter: workers import no main module
+    frame, top = sys._getframe(1), None
+    while frame is not None:  # the script's top-level frame, where this call started
+        if frame.f_globals is main.__dict__ and frame.f_code.co_name == "<module>":
+            top = frame
+        frame = frame.f_back
+    if top is None or _guarded_lines(path, top.f_lineno):
+        return
+    frame = top
+    raise RuntimeError(
+        f"{path}, line {frame.f_lineno}: DataLoader workers start with "
+        f"multiprocessing_context={name!r}, so each imports this script again, and this line "
+        'is not under `if __name__ == "__main__":`: the workers would run it too. Put the '
+        "script's top-level code in a function called under that guard (as torchrun scripts "
+        'do), or pass multiprocessing_context="fork" if no thread runs in this process '
+        "when workers start (see README: how workers start)."
+    )
+
+
+def _guarded_lines(path: str, line: int) -> bool:
+    """Whether ``line`` of the script at ``path`` lies under ``if __name__ == "__main__":``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return True  # cannot tell: let multiprocessing's own check speak
+    for node in tree.body:
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            if node.lineno <= line <= (node.end_lineno or node.lineno):
+                return True
+    return False
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s.id for s in sides if isinstance(s, ast.Name)]
+    strings = [s.value for s in sides if isinstance(s, ast.Constant)]
+    return isinstance(test.ops[0], ast.Eq) and names == ["__name__"] and strings == ["__main__"]
