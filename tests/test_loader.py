@@ -168,3 +168,90 @@ def test_max_tiles_per_batch_bounds_every_batch_and_the_load_is_reported():
     assert 0 < stats["tiles_per_batch_cv"] < 1
     with pytest.raises(ValueError, match="max_tiles_per_batch"):
         wdsvlm.Loader(EXAMPLE, TOKENIZER, batch_size=4, max_tiles_per_batch=3)
+
+
+def write_short_and_long(folder, tmp_path) -> list[str]:
+    """30 text-only samples: 20 whose answer is far past 256 tokens, 9 short, and one whose
+    JSON member is spoiled after writing; the keys of the long ones."""
+    from .conftest import write_jsonl
+
+    records = []
+    for i in range(30):
+        answer = "word " * (400 if i % 3 else 2) if i != 0 else "Fine."
+        records.append(
+            {
+                "id": f"r{i}",
+                "conversations": [
+                    {"from": "human", "value": f"Question {i}?"},
+                    {"from": "gpt", "value": answer},
+                ],
+            }
+        )
+    path = write_jsonl(str(tmp_path / "in.jsonl"), records)
+    wdsvlm.write_dataset(path, folder, progress=False)
+    shard = os.path.join(folder, "data-000000.tar")
+    data = bytearray(open(shard, "rb").read())
+    at = data.index(b'{"id":"r3"')  # a short one: its JSON no longer parses
+    data[at : at + 10] = b"#" * 10
+    open(shard, "wb").write(bytes(data))
+    return [f"data-000000.tar/{i:09d}" for i in range(30) if i % 3]
+
+
+def test_a_sample_is_skipped_or_dropped_never_both_and_drops_never_trip_the_cap(tmp_path):
+    data = str(tmp_path / "ds")
+    long = write_short_and_long(data, tmp_path)
+    # 20 of 30 samples are too long: some come two in a row, which a cap of 2 failures in a
+    # row would stop at if drops counted as failures
+    loader = wdsvlm.Loader(
+        data, TOKENIZER, max_length=256, batch_size=1, max_consecutive_failures=2, seed=1
+    )
+    keys = keys_of(list(loader), of_pass=0)
+    stats = loader.stats()
+    # an epoch reads a pass and some of the next: the same samples may come more than once
+    assert set(stats["skipped"]) == {"invalid_json"}
+    assert set(stats["skipped_examples"]["invalid_json"]) == {"data-000000.tar/000000003"}
+    assert (
+        set(stats["dropped"]) == {"too_many_tokens"} and stats["dropped"]["too_many_tokens"] >= 20
+    )
+    assert set(stats["dropped_examples"]["too_many_tokens"]) <= set(long)
+    assert len(keys) == 9 and not set(keys) & set(long)
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+@pytest.mark.parametrize("change", ["vanished", "rewritten"])
+def test_a_resume_whose_held_samples_cannot_be_read_again_says_so(tmp_path, mode, change):
+    import shutil
+
+    data = str(tmp_path / "ds")
+    shutil.copytree(EXAMPLE, data)
+    options = {**SMALL, "on_shard_error": mode}
+    loader = wdsvlm.Loader(data, TOKENIZER, **options)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    state = loader.state_dict()
+    place = state["workers"][0]["window"]["places"][0]  # a sample the saved window holds
+    span = wdsvlm.plan.Plan(data).locate(place[0], 0, [place[1]])[0]
+    shard, key = span["shard"], span["entries"][0]["key"]
+    path = os.path.join(data, shard)
+    if change == "vanished":
+        os.remove(path)
+    else:  # the same name, other samples at the offsets
+        other = next(n for n in sorted(os.listdir(data)) if n.endswith(".tar") and n != shard)
+        shutil.copy(os.path.join(data, other), path)
+    resumed = wdsvlm.Loader(data, TOKENIZER, **options)
+    resumed.load_state_dict(state)
+    if mode == "raise":
+        expected = (
+            rf"{shard}.*FileNotFoundError"
+            if change == "vanished"
+            else rf"cannot resume: \d+ samples .* could not be read again: {shard}/"
+        )
+        with pytest.raises(wdsvlm.StorageError, match=expected):
+            next(iter(resumed))
+        return
+    keys = keys_of(list(resumed))
+    assert keys and f"{shard}/{key}" not in keys
+    skipped = resumed.stats()["skipped"]
+    reasons = {"unreadable_shard"} if change == "vanished" else {"corrupt_tar", "truncated_tar"}
+    assert set(skipped) <= reasons and sum(skipped.values()) > 0

@@ -79,9 +79,8 @@ def test_a_sample_that_never_fits_best_is_still_packed_within_max_wait():
     assert all(sum(50 for i in p if i) + (30 if 0 in p else 0) == 100 for p in packs[:first])
 
 
-def test_pack_stage_counts_oversized_samples_by_key():
-    stats = SkipStats()
-    stage = Pack(100, max_tiles_per_pack=5, window=10, stats=stats)
+def test_pack_stage_counts_oversized_samples_as_dropped_by_key():
+    stage = Pack(100, max_tiles_per_pack=5, window=10)
     samples = [
         {"__key__": "ok", "__shard__": "s", "num_tokens": 50, "image_tiles": [2]},
         {"__key__": "long", "__shard__": "s", "num_tokens": 101, "image_tiles": []},
@@ -90,11 +89,12 @@ def test_pack_stage_counts_oversized_samples_by_key():
     ]
     packs = list(stage(iter(samples)))
     assert [[s["__key__"] for s in p] for p in packs] == [["ok", "ok2"]]
-    assert stats.counts == {"too_many_tokens": 1, "too_many_tiles": 1}
-    assert stats.examples == {"too_many_tokens": ["s/long"], "too_many_tiles": ["s/wide"]}
-    assert stage.pack_stats.fill == 1.0 and stage.pack_stats.as_dict()["dropped"] == {
-        "too_many_tokens": 1,
-        "too_many_tiles": 1,
+    figures = stage.pack_stats.as_dict()
+    assert stage.pack_stats.fill == 1.0
+    assert figures["dropped"] == {"too_many_tokens": 1, "too_many_tiles": 1}
+    assert figures["dropped_examples"] == {
+        "too_many_tokens": ["s/long"],
+        "too_many_tiles": ["s/wide"],
     }
 
 
@@ -138,14 +138,14 @@ def test_truncate_cuts_after_the_last_whole_answer_and_drops_later_images():
 
 
 def test_pack_stage_truncates_instead_of_dropping_when_asked():
-    stats = SkipStats()
-    stage = Pack(10, truncate=True, image_token_id=9, tokens_per_tile=2, stats=stats)
+    stage = Pack(10, truncate=True, image_token_id=9, tokens_per_tile=2)
     long = _tokenized("long", [("q", 2), ("a", 3), ("q", 4), ("a", 4)])  # 13 tokens
     hopeless = _tokenized("hopeless", [("q", 9), ("a", 3)])
     packs = list(stage(iter([long, hopeless])))
     assert [[s["__key__"] for s in p] for p in packs] == [["long"]]
     assert packs[0][0]["num_tokens"] == 5
-    assert stage.pack_stats.truncated == 1 and stats.counts == {"too_many_tokens": 1}
+    assert stage.pack_stats.truncated == 1
+    assert stage.pack_stats.dropped == {"too_many_tokens": 1}
 
 
 @settings(max_examples=100, deadline=None)

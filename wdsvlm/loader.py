@@ -177,7 +177,6 @@ class Loader:
             truncate=truncate,
             image_token_id=self.tokenize.image_token_id,
             tokens_per_tile=tokens_per_tile,
-            stats=self._skips,
         )
         self.balance = BalanceBatches(batch_size)
         self._storage_options = storage_options
@@ -497,6 +496,7 @@ class Loader:
         skips = SkipStats()
         truncated = batches = tiles = squares = 0
         dropped: dict = {}
+        dropped_examples: dict = {}
         for report in self._worker_stats.values():
             skips.merge(report["skips"])
             packing = report["packing"]
@@ -507,6 +507,8 @@ class Loader:
             squares += batch_squares
             for reason, n in packing["dropped"].items():
                 dropped[reason] = dropped.get(reason, 0) + n
+            for reason, keys in packing["dropped_examples"].items():
+                dropped_examples.setdefault(reason, []).extend(keys)
         packs, samples, tokens, pack_tiles = self._yielded
         capacity = packs * self.max_length
         return {
@@ -518,6 +520,7 @@ class Loader:
             "tiles_per_batch_cv": tiles_cv(batches, tiles, squares),
             "truncated": truncated,
             "dropped": dropped,
+            "dropped_examples": dropped_examples,
             "skipped": dict(skips.counts),
             "skipped_examples": {k: list(v) for k, v in skips.examples.items()},
         }

@@ -330,7 +330,7 @@ def dataset_stats(
     from .tokenize import IGNORE_INDEX, Tokenize
 
     config = image_config or ImageConfig()
-    skips = SkipStats(max_consecutive=sys.maxsize)  # count every drop: no failure cap here
+    skips = SkipStats(max_consecutive=sys.maxsize)  # count every bad sample: no cap here
     tokenize = Tokenize(
         tokenizer, tokens_per_tile=tokens_per_tile, image_config=config, stats=skips
     )
@@ -358,14 +358,13 @@ def dataset_stats(
                 del sample[name]
             yield sample
 
-    pack = Pack(max_length, max_tiles_per_pack=max_tiles_per_pack, window=pack_window, stats=skips)
+    pack = Pack(max_length, max_tiles_per_pack=max_tiles_per_pack, window=pack_window)
     fitting = {}  # by (shard, key): keys of foreign shards need not be unique
     for packed in pack(measured(tokenize(bar))):
         fitting.update(((s["__shard__"], s["__key__"]), s["num_tokens"]) for s in packed)
     bar.close()
-    counts = dict(skips.counts)
-    dropped = {r: counts.pop(r, 0) for r in PACK_REASONS}
     packs = pack.pack_stats
+    dropped = {r: packs.dropped.get(r, 0) for r in PACK_REASONS}
     padding = {  # None when no sample fits
         "naive": naive_padding(fitting, batch_size, seed) if fitting else None,
         "fixed": 1 - sum(fitting.values()) / (len(fitting) * max_length) if fitting else None,
@@ -379,7 +378,7 @@ def dataset_stats(
         tiles=np.asarray(tiles, dtype=np.int64),
         images=images,
         supervised=supervised,
-        skipped=counts,
+        skipped=dict(skips.counts),
         dropped=dropped,
         padding=padding,
         packs=packs.packs,

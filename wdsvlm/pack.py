@@ -14,6 +14,7 @@ and the settings; ``Packer`` does the work on those numbers, ``Pack`` is the pip
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
@@ -21,7 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .stats import SkipStats
+
+log = logging.getLogger("wdsvlm.pack")
 
 # When the best token fill breaks the tile budget, the tile-heaviest chosen sample is set
 # aside and the fill searched again, at most this many times before filling greedily.
@@ -82,6 +84,26 @@ class PackStats:
     capacity: int = 0
     truncated: int = 0
     dropped: Counter = field(default_factory=Counter)
+    dropped_examples: dict = field(default_factory=dict)
+    """The first ``keep_examples`` ``"SHARD/KEY"`` dropped per reason."""
+    keep_examples: int = 1000
+
+    def drop(self, reason: str, sample: dict, detail: str) -> None:
+        """Count one sample that cannot be packed (too long, too many tiles): good data
+        outside the budgets, so it is not a failure and never trips the bad-data cap."""
+        where = f"{sample.get('__shard__', '?')}/{sample.get('__key__', '?')}"
+        self.dropped[reason] += 1
+        examples = self.dropped_examples.setdefault(reason, [])
+        if len(examples) < self.keep_examples:
+            examples.append(where)
+        if self.dropped[reason] == 1:
+            log.warning(
+                "dropping %s: %s: %s (further %s samples are counted, not logged)",
+                where,
+                reason,
+                detail,
+                reason,
+            )
 
     @property
     def fill(self) -> float:
@@ -93,8 +115,10 @@ class PackStats:
         self.packs = self.samples = self.tokens = self.tiles = self.capacity = 0
         self.truncated = 0
         self.dropped.clear()
+        self.dropped_examples.clear()
 
-    def as_dict(self) -> dict:
+    def as_dict(self, examples: int | None = None) -> dict:
+        """The figures; ``examples``: at most that many dropped keys per reason."""
         return {
             "packs": self.packs,
             "samples": self.samples,
@@ -103,6 +127,7 @@ class PackStats:
             "tiles_per_pack": self.tiles / self.packs if self.packs else 0.0,
             "truncated": self.truncated,
             "dropped": dict(self.dropped),
+            "dropped_examples": {k: v[:examples] for k, v in self.dropped_examples.items()},
         }
 
 
@@ -228,7 +253,8 @@ class Pack:
     empties the window of the last one's.
 
     A sample longer than ``max_length`` or with more tiles than ``max_tiles_per_pack`` is
-    dropped and counted (``too_many_tokens``, ``too_many_tiles``, in ``stats`` with its key).
+    dropped and counted (``too_many_tokens``, ``too_many_tiles``, in ``pack_stats`` with its
+    key): a drop is good data outside the budgets, not a failure, so it is not "skipped".
     With ``truncate=True`` a sample that is only too long is cut after its last whole answer
     that fits instead (``truncate_at_answer``; counted in ``pack_stats.truncated``), which
     needs ``image_token_id`` and ``tokens_per_tile``.
@@ -243,7 +269,6 @@ class Pack:
         truncate: bool = False,
         image_token_id: int | None = None,
         tokens_per_tile: int | None = None,
-        stats: SkipStats | None = None,
     ):
         if truncate and (image_token_id is None or tokens_per_tile is None):
             raise ValueError("truncate=True needs image_token_id and tokens_per_tile")
@@ -253,7 +278,6 @@ class Pack:
         self.max_length = max_length
         self.max_tiles_per_pack = max_tiles_per_pack
         self.window = window
-        self.stats = stats if stats is not None else SkipStats()
         self.pack_stats = PackStats()
         self._limits = Packer(max_length, max_tiles_per_pack)  # for fit(), made once
 
@@ -277,9 +301,8 @@ class Pack:
             yield ready.popleft()
         for sample in samples:
             sample, tokens, tiles, reason = self.fit(sample)
-            if reason:
-                self.stats.skip(
-                    "pack",
+            if reason:  # dropped: good data that does not fit the budgets (never "skipped")
+                packer.stats.drop(
                     reason,
                     sample,
                     f"{tokens} tokens, {tiles} tiles; a pack holds {self.max_length} tokens"
@@ -289,9 +312,7 @@ class Pack:
                         else ""
                     ),
                 )
-                packer.stats.dropped[reason] += 1
                 continue
-            self.stats.ok("pack")
             if packer.waiting and sample.get("__epoch__") != packer.waiting[-1][0].get("__epoch__"):
                 ready.extend(packer.drain())  # a new epoch begins: the last one's samples first
             # the sample goes into the window before any pack is handed on, and packs wait in

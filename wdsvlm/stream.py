@@ -123,6 +123,9 @@ class Stream(IterableDataset):
         worker = info.id if info is not None else 0
         epoch = self.plan.epoch
         live = self._live
+        # the stats are per epoch; reset before a resumed stream reads its buffers again, so
+        # that what it cannot read again is counted
+        self.skips.reset()
         if live and live["epoch"] == epoch - 1 and live["left"] == 0 and live["role"] == worker:
             live["epoch"] = epoch  # the next epoch follows a whole one: go straight on
             live["left"] = quota(0, self.batches_per_epoch, self.workers, worker)
@@ -135,7 +138,6 @@ class Stream(IterableDataset):
             role = (job["done"] + worker) % self.workers
             live = self._live = self._start(role, epoch, job["states"][role])
             live["left"] = quota(job["done"], self.batches_per_epoch, self.workers, role)
-        self.skips.reset()  # the stats are per epoch
         self.pack.pack_stats.reset()
         self.balance.figures = [0, 0, 0]
         while live["left"] > 0:
@@ -147,7 +149,7 @@ class Stream(IterableDataset):
             batch[STATS_KEY] = {
                 "worker": live["role"],
                 "skips": self.skips.as_dict(examples=10),  # rides on every batch: keep it small
-                "packing": self.pack.pack_stats.as_dict(),
+                "packing": self.pack.pack_stats.as_dict(examples=10),
                 "tokens": self.pack.pack_stats.tokens,
                 "capacity": self.pack.pack_stats.capacity,
                 "batch_tiles": list(self.balance.figures),
@@ -205,23 +207,31 @@ class Stream(IterableDataset):
             epoch, position = epoch + 1, 0
 
     def _read_again(self, worker: int, places: Sequence[Sequence[int]]) -> dict[tuple, dict]:
-        """The samples at ``places``, read again through the index."""
+        """The samples at ``places``, read again through the index. One that cannot be read
+        again (its shard changed or went away since the state was saved) is counted as
+        skipped with ``on_shard_error="skip"``, else refused, naming it."""
         by_pass: dict[int, list[int]] = {}
         for p, position in places:
             by_pass.setdefault(p, []).append(position)
-        out = {}
+        out, names = {}, {}
         for p, positions in by_pass.items():
-            for sample in self.read(iter(self.plan.locate(p, worker, positions))):
+            spans = self.plan.locate(p, worker, positions)
+            for span in spans:
+                for entry, position in zip(span["entries"], span["positions"], strict=True):
+                    names[(p, position)] = f"{span['shard']}/{entry['key']}"
+            for sample in self.read(iter(spans)):
                 out[(p, sample["__pos__"])] = sample
         missing = [tuple(p) for p in places if tuple(p) not in out]
-        if missing and self.read.on_shard_error == "skip":
-            return out  # counted as skipped by the reader; the buffers go on without them
+        if missing and self.read.on_shard_error != "skip":
+            shown = ", ".join(names.get(m, f"pass {m[0]} position {m[1]}") for m in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise StorageError(
-                f"cannot resume: {len(missing)} samples the saved state holds could not be "
-                f"read again (first: pass {missing[0][0]}, position {missing[0][1]} of global "
-                f"worker {worker}); see the skip stats"
+                f"cannot resume: {len(missing)} samples the saved state holds (global worker "
+                f"{worker}) could not be read again: {shown}{more}. Their shards changed or "
+                "went away since the state was saved; restore the shards, or pass "
+                'on_shard_error="skip" to go on without them (counted as skipped)'
             )
-        return out
+        return out  # in skip mode, the reader counted what is missing as skipped
 
     def _tokenized(self, samples: list[dict]) -> list[dict]:
         out = self.tokenize.encode(samples)
