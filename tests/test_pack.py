@@ -7,7 +7,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wdsvlm.pack import Pack, Packer, best_fill
-from wdsvlm.stats import SkipStats
 
 samples_strategy = st.lists(
     st.tuples(st.integers(1, 700), st.integers(0, 12)), min_size=0, max_size=150

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
 log = logging.getLogger("wdsvlm.pack")
 
 # When the best token fill breaks the tile budget, the tile-heaviest chosen sample is set
