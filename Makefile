@@ -1,5 +1,6 @@
 # make demo: set up .venv and run the main job on shards_example/
 # make test: set up .venv and run the linter and the test suite
+# make test-fast: the same without the tests that start real processes (under a minute)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,13 +8,13 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.wdsvlm-installed
 
-.PHONY: install demo test lint example clean
+.PHONY: install demo test test-fast lint example clean
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,plots]"
+	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,6 +38,9 @@ lint: install
 
 test: lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+test-fast: lint
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not processes"
 
 # Rebuild shards_example/ from scratch (seeded: the same bytes again).
 example: install

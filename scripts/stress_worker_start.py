@@ -75,7 +75,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     import wdsvlm
 
     # a rank that is stuck for good dumps every thread's stack and exits, failing the run
-    faulthandler.dump_traceback_later(args.deadline * (args.starts + 5), exit=True)
+    faulthandler.dump_traceback_later(args.deadline + 2 * args.starts + 60, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     loader = wdsvlm.Loader(
@@ -124,9 +124,17 @@ def run(args: argparse.Namespace) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(
-            rank_main, args=(2, port, args, out), nprocs=2, start_method="spawn", join=True
+        context = mp.start_processes(
+            rank_main, args=(2, port, args, out), nprocs=2, start_method="spawn", join=False
         )
+        try:
+            while not context.join():
+                pass
+        finally:  # no rank left behind, whatever happened
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join()
         ranks = [pickle.load(open(os.path.join(out, f"rank{r}.pkl"), "rb")) for r in range(2)]
     return {
         "context": args.context,

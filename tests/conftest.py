@@ -6,6 +6,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +18,16 @@ from PIL import Image, ImageDraw
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "shards_example")
+
+
+SERVER_FIXTURES = {"moto_server", "gcs_server", "s3_bucket", "gcs_bucket", "proxied"}
+
+
+def pytest_collection_modifyitems(items):
+    """Tests on a storage server start a real process: marked ``processes`` (see pyproject)."""
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.processes)
 
 
 def make_image(path: str, size: tuple[int, int], fmt: str, seed: int = 0, **save) -> str:
@@ -107,6 +118,65 @@ def cauldron_input(tmp_path):
     ]
     path = write_jsonl(str(tmp_path / "cauldron.jsonl"), records)
     return path, str(root), records
+
+
+def run_process(args: list[str], timeout: float, **options) -> subprocess.CompletedProcess:
+    """``subprocess.run(args)`` in a new process group, text output captured. Past
+    ``timeout`` the whole group is killed (torchrun's ranks and every worker with it), and the
+    test fails with what it printed: a hang is a red test, never a process left behind."""
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **options,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(
+            f"{' '.join(args)} did not finish in {timeout} s; its output:\n"
+            f"{out[-3000:]}\n{err[-6000:]}"
+        )
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left running
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """``wdsvlm ARGS`` in this process, as the console script runs it: the exit code, and
+    what it printed on stdout and stderr (logged warnings and progress bars included); an
+    exception that escapes (``-v``) is printed as the interpreter would, exit code 1."""
+    import contextlib
+    import io
+    import logging
+    import traceback
+
+    from wdsvlm.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse: usage errors, --help
+                code = e.code if isinstance(e.code, int) else 1
+            except Exception:  # noqa: BLE001 - shown as the interpreter shows it
+                traceback.print_exc()
+                code = 1
+    finally:
+        root.removeHandler(handler)
+    return subprocess.CompletedProcess(["wdsvlm", *args], code, out.getvalue(), err.getvalue())
 
 
 def _free_port() -> int:

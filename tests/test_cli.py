@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from wdsvlm.cli import byte_size, main
 
-from .conftest import EXAMPLE, write_jsonl
+from .conftest import EXAMPLE, run_process, write_jsonl
 
 
 def test_write_prints_a_summary_and_exits_0(llava_input, tmp_path, capsys):
@@ -98,9 +97,10 @@ def test_byte_sizes_read_with_binary_units():
     assert byte_size("1.5k") == 1536
 
 
+@pytest.mark.processes
 def test_console_script_verifies_the_example():
     exe = os.path.join(os.path.dirname(sys.executable), "wdsvlm")
-    run = subprocess.run([exe, "verify", EXAMPLE], capture_output=True, text=True, check=False)
+    run = run_process([exe, "verify", EXAMPLE], timeout=120)
     assert run.returncode == 0, run.stderr
     assert "every shard matches the index" in run.stdout and "samples=320" in run.stdout
 

@@ -21,6 +21,8 @@ import wdsvlm
 
 from .conftest import EXAMPLE, write_jsonl
 
+pytestmark = pytest.mark.processes  # DDP ranks and their DataLoader workers, for real
+
 TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
 SETTINGS = {
     "max_length": 256,
@@ -33,6 +35,7 @@ SETTINGS = {
     "seed": 3,
 }
 SHARD_SIZES = [9, 2, 14, 1, 6, 11, 4]  # 47 samples in 7 uneven shards
+RANK_TIME_LIMIT = 200  # seconds: well past what a rank takes, well under the test's limit
 
 
 def write_uneven(folder, sizes, tmp) -> str:
@@ -113,10 +116,10 @@ def _free_port() -> int:
 
 
 def _rank_main(rank, world, port, job):
-    import multiprocessing
+    import faulthandler
 
-    # DataLoader workers start as under torchrun (fork), not as this spawned rank did
-    multiprocessing.set_start_method("fork", force=True)
+    # a rank stuck for good prints every thread's stack and exits: a red test with evidence
+    faulthandler.dump_traceback_later(RANK_TIME_LIMIT, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -129,10 +132,19 @@ def _rank_main(rank, world, port, job):
 
 def ddp(job: dict, world: int = 2) -> list:
     """Run ``job["run"](rank, job)`` in ``world`` new processes of one gloo process group;
-    their results, by rank."""
-    mp.start_processes(
-        _rank_main, args=(world, _free_port(), job), nprocs=world, start_method="spawn"
+    their results, by rank. Whatever happens (a failed rank, the test's time limit), no rank
+    is left behind."""
+    context = mp.start_processes(
+        _rank_main, args=(world, _free_port(), job), nprocs=world, start_method="spawn", join=False
     )
+    try:
+        while not context.join():
+            pass
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
     return [pickle.load(open(os.path.join(job["out"], f"rank{r}.pkl"), "rb")) for r in range(world)]
 
 

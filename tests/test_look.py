@@ -1,5 +1,6 @@
-"""`wdsvlm inspect`, `wdsvlm stats` and `wdsvlm bench` through the installed console script:
-exit codes, the lines a person reads, and PNGs of the documented sizes. The numbers are
+"""`wdsvlm inspect`, `wdsvlm stats` and `wdsvlm bench` as a person runs them (in this process,
+as the console script does; test_cli.py runs the installed script end to end): exit codes,
+the lines a person reads, and PNGs of the documented sizes. The numbers are
 checked against the index and against the naive pipeline's own tokenization (another code
 path: webdataset's tar reader, the chat template applied per prefix)."""
 
@@ -10,7 +11,6 @@ import os
 import random
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -23,16 +23,14 @@ from wdsvlm.images import ImageConfig, tile_count
 from wdsvlm.pictures import BATCH_PICTURE_SIZE, HISTOGRAM_SIZE, SHEET_ROW, SHEET_WIDTH
 from wdsvlm.tokenize import Tokenize
 
-from .conftest import EXAMPLE
+from .conftest import EXAMPLE, run_cli
 
 TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
-EXE = os.path.join(os.path.dirname(sys.executable), "wdsvlm")
 SMALL = ["--tile-size", "128", "--max-image-side", "256", "--tokens-per-tile", "16"]
 
 
 def wdsvlm(*args: str, check_code: int | None = 0) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([EXE, *args], capture_output=True, text=True, env=env, timeout=300)
+    run = run_cli(*args)
     if check_code is not None:
         assert run.returncode == check_code, (run.returncode, run.stdout, run.stderr)
     return run

@@ -108,6 +108,7 @@ def test_plan_refuses_a_dataloader_with_other_worker_count():
         next(iter(loader))
 
 
+@pytest.mark.processes
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
 def test_two_ranks_of_three_dataloader_workers_read_seven_shards_once(tmp_path):
     """Real worker processes: each rank's DataLoader with 3 workers, over 7 uneven shards."""

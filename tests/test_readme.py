@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
-from .conftest import REPO
+import pytest
+
+from .conftest import REPO, run_process
 
 
 def readme_blocks(pattern: str) -> tuple[str, ...]:
@@ -26,11 +27,12 @@ def run_python_example(pattern: str, monkeypatch) -> dict:
     return scope
 
 
+@pytest.mark.processes
 def test_readme_quick_start_runs_as_shown(tmp_path):
     script, shown = readme_blocks(r"```bash\n(mkdir -p /tmp/wds_demo.*?)```\n\n```\n(.*?)```")
     bin_dir = os.path.dirname(sys.executable) + "/"
     script = script.replace(".venv/bin/", bin_dir).replace("/tmp/wds_demo", str(tmp_path))
-    run = subprocess.run(["bash", "-euc", script], capture_output=True, text=True, check=False)
+    run = run_process(["bash", "-euc", script], timeout=240)
     assert run.returncode == 0, run.stderr
     shown = shown.replace("/tmp/wds_demo", str(tmp_path))
     got = [re.sub(r"in \d+\.\d s", "in T s", line) for line in run.stdout.splitlines()]
@@ -53,6 +55,7 @@ def test_readme_loader_example_runs(monkeypatch, capsys):
     assert "'fill': 0.9" in capsys.readouterr().out
 
 
+@pytest.mark.processes
 def test_readme_torchrun_loop_trains_and_resumes(tmp_path):
     (code,) = readme_blocks(r"```python\n(# train_min.py\n.*?)```")
     (tmp_path / "train_min.py").write_text(code)
@@ -62,9 +65,7 @@ def test_readme_torchrun_loop_trains_and_resumes(tmp_path):
     runs = []
     for epochs in ("1", "2"):
         env = {**os.environ, "EPOCHS": epochs, "OMP_NUM_THREADS": "1"}
-        run = subprocess.run(
-            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-        )
+        run = run_process(command, timeout=200, cwd=tmp_path, env=env)
         assert run.returncode == 0, run.stderr[-3000:]
         runs.append(run.stdout)
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", runs[0] + runs[1])]

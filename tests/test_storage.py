@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,7 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 import wdsvlm
 from wdsvlm.storage import ReadPolicy, is_transient, read_range
 
-from .conftest import EXAMPLE
+from .conftest import EXAMPLE, run_cli
 from .faults import FaultProxy
 from .test_ddp import digest
 
@@ -51,11 +49,10 @@ def upload(folder: str, url: str, options: dict) -> None:
 
 
 def cli_write(inputs, image_root, output, options) -> None:
-    command = [sys.executable, "-m", "wdsvlm.cli", "write", "--input", inputs]
-    command += ["--image-root", image_root, "--output", output, "-q"]
+    command = ["write", "--input", inputs, "--image-root", image_root, "--output", output, "-q"]
     if options:
         command += ["--storage-options", json.dumps(options)]
-    run = subprocess.run(command, capture_output=True, text=True, check=False)
+    run = run_cli(*command)
     assert run.returncode == 0, run.stderr
 
 
@@ -64,6 +61,7 @@ def local_batches():
     return batches_of(EXAMPLE)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("store", ["s3_bucket", "gcs_bucket"])
 def test_write_to_a_bucket_with_the_cli_and_stream_it_back_identical(
     llava_input, tmp_path, request, store
@@ -333,13 +331,7 @@ def test_errors_never_show_the_credentials(s3_bucket):
     bucket, options = s3_bucket
     secret = "wdsvlm-test-secret-4f9a"
     with_secret = {**options, "key": "testing", "secret": secret}
-    command = [sys.executable, "-m", "wdsvlm.cli", "verify", f"{bucket}/nothing-here"]
-    run = subprocess.run(
-        [*command, "--storage-options", json.dumps(with_secret)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    run = run_cli("verify", f"{bucket}/nothing-here", "--storage-options", json.dumps(with_secret))
     assert run.returncode != 0 and "nothing-here" in run.stderr
     assert secret not in run.stdout + run.stderr
     with pytest.raises(wdsvlm.WdsvlmError) as caught:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import math
 import os
 import re
-import subprocess
 import sys
 
-from .conftest import REPO
+import pytest
+
+from .conftest import REPO, run_process
+
+pytestmark = pytest.mark.processes
 
 
 def train(out, *extra) -> str:
@@ -17,12 +20,10 @@ def train(out, *extra) -> str:
     script = os.path.join(REPO, "scripts", "train_ddp.py")
     command = [torchrun, "--standalone", "--nproc_per_node=2", script, "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
+    run = run_process(
         [*command, "--epochs", "2", "--log-every", "2", "--print-keys", *extra],
-        capture_output=True,
-        text=True,
+        timeout=200,
         env=env,
-        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout

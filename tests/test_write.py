@@ -310,9 +310,12 @@ def test_write_to_s3_on_a_moto_server_matches_local(llava_input, tmp_path, s3_bu
     assert verify_dataset(url, options)["totals"]["samples"] == 12
 
 
+@pytest.mark.processes
 def test_the_writer_side_imports_no_torch():
-    import subprocess
     import sys
 
+    from .conftest import run_process
+
     code = "import sys, wdsvlm, wdsvlm.write, wdsvlm.cli; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run = run_process([sys.executable, "-c", code], timeout=60)
+    assert run.returncode == 0, run.stderr

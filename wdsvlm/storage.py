@@ -28,11 +28,22 @@ from .errors import ObjectNotFoundError, StorageError
 log = logging.getLogger("wdsvlm.storage")
 
 
+# Bucket backends are optional extras of wdsvlm: the scheme, the extra that brings it.
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+
+
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None):
     """Return ``(fs, path)`` for ``url``: the fsspec filesystem and the path inside it."""
     try:
         return url_to_fs(url, **dict(storage_options or {}))
-    except (ImportError, ValueError) as e:
+    except ImportError as e:
+        extra = _EXTRAS.get(url.split("://", 1)[0].lower()) if "://" in url else None
+        if extra is not None:
+            raise StorageError(
+                f"cannot open {url!r}: its backend is not installed: pip install 'wdsvlm[{extra}]'"
+            ) from e
+        raise StorageError(f"cannot open {url!r}: {e}") from e
+    except ValueError as e:
         raise StorageError(f"cannot open {url!r}: {e}") from e
 
 

@@ -1,0 +1,106 @@
+"""Packaging as Python users expect: PEP 621 metadata in pyproject.toml, optional backends as
+extras with a one-line error naming the install, every imported module declared, a license
+file that matches, and the typing marker."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import os
+import re
+import sys
+
+import pytest
+
+from .conftest import REPO, run_process
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the project's machines run 3.11
+    tomllib = pytest.importorskip("tomli")
+
+PROJECT = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))["project"]
+
+
+def requirement_name(requirement: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def imported_top_modules() -> set[str]:
+    """Top-level modules that wdsvlm's own code imports, standard library left out."""
+    found = set()
+    folder = os.path.join(REPO, "wdsvlm")
+    for name in os.listdir(folder):
+        if name.endswith(".py"):
+            tree = ast.parse(open(os.path.join(folder, name)).read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    found.update(a.name.split(".")[0] for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    found.add(node.module.split(".")[0])
+    return {m for m in found if m not in sys.stdlib_module_names and m != "wdsvlm"}
+
+
+def test_every_third_party_module_the_code_imports_is_declared():
+    distributions = importlib.metadata.packages_distributions()
+    declared = {requirement_name(r) for r in PROJECT["dependencies"]}
+    for extra in PROJECT["optional-dependencies"].values():
+        declared |= {requirement_name(r) for r in extra}
+    for module in imported_top_modules():
+        names = {d.lower().replace("_", "-") for d in distributions.get(module, [module])}
+        assert names & declared, f"wdsvlm imports {module} ({names}) but does not declare it"
+
+
+def test_bucket_backends_and_plots_are_extras_not_core():
+    core = {requirement_name(r) for r in PROJECT["dependencies"]}
+    assert not core & {"s3fs", "gcsfs", "matplotlib"}
+    extras = PROJECT["optional-dependencies"]
+    assert {"s3", "gcs", "plots", "all"} <= set(extras)
+    assert {requirement_name(r) for r in extras["s3"]} == {"s3fs"}
+    assert {requirement_name(r) for r in extras["gcs"]} == {"gcsfs"}
+    assert {requirement_name(r) for r in extras["plots"]} == {"matplotlib"}
+
+
+def test_the_license_file_matches_the_declared_license_and_the_package_is_typed():
+    assert PROJECT["license"] == "Apache-2.0"
+    text = open(os.path.join(REPO, "LICENSE")).read()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert os.path.exists(os.path.join(REPO, "wdsvlm", "py.typed"))
+    assert importlib.metadata.metadata("wdsvlm")["License-Expression"] == "Apache-2.0"
+    assert not os.path.exists(os.path.join(REPO, "setup.cfg"))
+
+
+BLOCK = "import sys; sys.modules.update({m: None for m in ('s3fs', 'gcsfs', 'matplotlib')}); "
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    "url,extra", [("s3://bucket/ds", "s3"), ("gs://bucket/ds", "gcs")], ids=["s3", "gcs"]
+)
+def test_a_missing_backend_is_one_line_naming_the_install(url, extra):
+    code = BLOCK + f"from wdsvlm.cli import main; sys.exit(main(['verify', {url!r}, '-q']))"
+    run = run_process([sys.executable, "-c", code], timeout=60)
+    assert run.returncode == 1
+    assert run.stderr.strip() == (
+        f"wdsvlm verify: error: cannot open '{url}/index.json': its backend is not installed: "
+        f"pip install 'wdsvlm[{extra}]'"
+    )
+
+
+@pytest.mark.processes
+def test_the_core_runs_without_the_extras(tmp_path):
+    example = os.path.join(REPO, "shards_example")
+    args = [example, "--tokenizer", os.path.join(example, "tokenizer"), "--max-length", "1024"]
+    args += ["--limit", "20", "-q"]
+    code = BLOCK + (
+        "from wdsvlm.cli import main; "
+        f"print('codes', main(['stats', *{args!r}]), main(['stats', *{args!r}, '--out', "
+        f"{str(tmp_path)!r}]))"
+    )
+    run = run_process(
+        [sys.executable, "-c", code], timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
+    assert run.stdout.strip().splitlines()[-1] == "codes 0 1", run.stderr[-2000:]
+    assert "samples" in run.stdout  # the table, without pictures
+    # pictures asked for: one line says what to install
+    assert run.stderr.strip().endswith("pip install 'wdsvlm[plots]'")
