@@ -167,8 +167,57 @@ def test_a_template_that_alters_answers_is_reported():
 
 def test_the_stage_pickles_for_worker_processes(example_samples):
     stage = Tokenize(TOKENIZER)
-    stage.render(qa("a", "b"))  # compiles the template, which itself does not pickle
+    stage.render(qa("a", "b"))
     copy = pickle.loads(pickle.dumps(stage))
     a = list(stage(iter(fresh(example_samples[:20]))))
     b = list(copy(iter(fresh(example_samples[:20]))))
     assert all((x["input_ids"] == y["input_ids"]).all() for x, y in zip(a, b, strict=True))
+
+
+# The shape of several current Hugging Face templates: the answer inside {% generation %}, so
+# that transformers can return an assistant mask.
+GENERATION_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ m['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+)
+
+
+def test_a_template_with_generation_blocks_renders_and_labels_the_answers():
+    stage = Tokenize(TOKENIZER, chat_template=GENERATION_TEMPLATE)
+    plain = Tokenize(TOKENIZER)  # ChatML: the same text without the generation blocks
+    sample = sample_of(qa("<image>\nWhat is it?", "A red square."), images=[[64, 64]])
+    (out,) = stage(iter([dict(sample)]))
+    (same,) = plain(iter([dict(sample)]))
+    assert np.array_equal(out["input_ids"], same["input_ids"])
+    assert np.array_equal(out["labels"], same["labels"])
+    supervised = stage.tokenizer.decode(out["input_ids"][out["labels"] != IGNORE_INDEX])
+    assert supervised == "A red square.<|im_end|>"
+    masked = stage.tokenizer.apply_chat_template(
+        qa("<image>\nWhat is it?", "A red square."),
+        chat_template=GENERATION_TEMPLATE,
+        return_assistant_tokens_mask=True,
+        return_dict=True,
+    )
+    assert sum(masked["assistant_masks"]) > 0  # transformers itself reads the blocks
+
+
+def test_a_template_that_refuses_a_sample_skips_it_by_name_and_one_that_cannot_compile_is_refused():
+    from wdsvlm.errors import TemplateError
+
+    refusing = (
+        "{% if messages[0]['role'] != 'system' %}"
+        "{{ raise_exception('a system turn must come first') }}{% endif %}" + GENERATION_TEMPLATE
+    )
+    stats = SkipStats()
+    stage = Tokenize(TOKENIZER, chat_template=refusing, stats=stats)
+    good = sample_of([{"role": "system", "content": "Be brief."}, *qa("Q?", "A.")])
+    bad = {**sample_of(qa("Q?", "A.")), "__shard__": "data-000003.tar", "__key__": "000000042"}
+    out = list(stage(iter([good, bad])))
+    assert len(out) == 1 and stats.counts == {"template_error": 1}
+    assert stats.examples == {"template_error": ["data-000003.tar/000000042"]}
+    with pytest.raises(TemplateError, match=r"data-000003.tar/000000042: .*system turn must"):
+        stage.render(qa("Q?", "A."), "data-000003.tar/000000042")
+    with pytest.raises(TemplateError, match="the chat template does not compile"):
+        Tokenize(TOKENIZER, chat_template="{% for m in messages %}{{ m['content'] }}")

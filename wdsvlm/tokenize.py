@@ -16,7 +16,6 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -53,26 +52,23 @@ def load_tokenizer(tokenizer: Any):
         raise ValueError(f"cannot load the tokenizer {str(tokenizer)!r}: {e}") from None
 
 
-def _compile_template(source: str):
-    """The chat template compiled as transformers compiles it (sandboxed jinja)."""
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+# A conversation every chat template renders: used once to find out whether it compiles.
+_PROBE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
 
-    def raise_exception(message):
-        raise TemplateError(f"the chat template refused the conversation: {message}")
 
-    def tojson(value, indent=None, separators=None, sort_keys=False):
-        return json.dumps(
-            value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
-        )
+def check_template(tokenizer, template: str) -> None:
+    """Refuse a chat template that transformers cannot compile (a syntax error is the
+    template's fault, not a sample's), naming where it fails."""
+    import jinja2
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    try:
+        tokenizer.apply_chat_template(_PROBE, chat_template=template, tokenize=False)
+    except jinja2.TemplateSyntaxError as e:
+        raise TemplateError(
+            f"the chat template does not compile (line {e.lineno}: {e.message})"
+        ) from None
+    except jinja2.TemplateError:
+        pass  # it compiles; it refuses this conversation, as it may refuse a sample
 
 
 class Tokenize:
@@ -83,7 +79,10 @@ class Tokenize:
     token is ``image_token``, else the tokenizer's own ``image_token``, else ``<image>``; when
     the vocabulary lacks it, it is added as a special token to a copy of the tokenizer (logged
     with its id: resize the model's embeddings to ``len(stage.tokenizer)``).
-    Skips, counted: ``invalid_json``, ``image_count_mismatch``, ``template_mismatch``.
+    Skips, counted: ``invalid_json``, ``image_count_mismatch``, ``template_error`` (the
+    template refused the conversation), ``template_mismatch`` (an answer is not rendered
+    verbatim, so its labels cannot be found). A template that does not compile is refused
+    at once (``TemplateError``).
     """
 
     def __init__(
@@ -126,22 +125,23 @@ class Tokenize:
         self.stats = stats if stats is not None else SkipStats()
         # Special tokens longest first: the end-of-turn token is the one right after an answer.
         self._specials = sorted(set(tok.all_special_tokens), key=len, reverse=True)
-        self._render_context = {
-            k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)
-        }
-        self._template = None
+        check_template(tok, template)
 
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_template"] = None  # compiled templates do not pickle; recompiled on first use
-        return state
+    def render(self, messages: list[dict], where: str = "a conversation") -> str:
+        """The conversation as transformers renders it (``apply_chat_template``: the same
+        sandbox, globals and extensions, ``{% generation %}`` included). A template that
+        fails on it (``raise_exception``, an undefined name) raises ``TemplateError`` naming
+        ``where`` (the sample's ``SHARD/KEY``)."""
+        import jinja2
 
-    def render(self, messages: list[dict]) -> str:
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        return self._template.render(
-            messages=messages, add_generation_prompt=False, **self._render_context
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, chat_template=self.chat_template, tokenize=False
+            )
+        except jinja2.TemplateError as e:
+            raise TemplateError(
+                f"{where}: the chat template failed: {type(e).__name__}: {e}"
+            ) from None
 
     def __call__(self, samples: Iterator[dict], *, resume: list[dict] | None = None):
         """``resume``: samples read again for a resumed loader (see ``held``), yielded first."""
@@ -193,9 +193,13 @@ class Tokenize:
             for m in messages:
                 m["content"] = m["content"].replace(IMAGE_MARKER, self.image_token)
         try:
-            text = self.render(messages)
+            text = self.render(messages, f"{sample.get('__shard__')}/{sample.get('__key__')}")
+        except TemplateError as e:  # the template refuses this conversation
+            self.stats.skip("tokenize", "template_error", sample, str(e))
+            return None
+        try:
             return text, self._supervised(text, messages), tiles
-        except TemplateError as e:
+        except TemplateError as e:  # rendered, but the answers cannot be found in it
             self.stats.skip("tokenize", "template_mismatch", sample, str(e))
             return None
 
