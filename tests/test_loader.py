@@ -255,3 +255,76 @@ def test_a_resume_whose_held_samples_cannot_be_read_again_says_so(tmp_path, mode
     skipped = resumed.stats()["skipped"]
     reasons = {"unreadable_shard"} if change == "vanished" else {"corrupt_tar", "truncated_tar"}
     assert set(skipped) <= reasons and sum(skipped.values()) > 0
+
+
+# One other value for every setting that shapes the batches: the test below fails when a
+# setting is added to LoaderSettings without a value here, so none escapes the resume check.
+OTHER_VALUES = {
+    "max_length": 512,
+    "batch_size": 3,
+    "seed": 1,
+    "shuffle_buffer": 10,
+    "shuffle_bytes": 2**20,
+    "tile_size": 64,
+    "max_image_side": 512,
+    "upscale": True,
+    "tokens_per_tile": 8,
+    "max_tiles_per_pack": 8,
+    "max_tiles_per_batch": 16,
+    "pack_window": 50,
+    "truncate": True,
+    "image_token": "<img>",
+    "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+}
+
+
+def test_each_setting_that_shapes_batches_changed_alone_is_refused_on_resume_naming_it():
+    from wdsvlm.settings import LoaderSettings, shapes_batches
+
+    shaping = {f for f in LoaderSettings.__dataclass_fields__ if shapes_batches(f)}
+    assert shaping == set(OTHER_VALUES), "a batch-shaping setting without a test value"
+    base = {"max_length": 1024, "batch_size": 2, "batches_per_epoch": 2, **SMALL}
+    tokenizer = wdsvlm.Loader(EXAMPLE, TOKENIZER, **base).tokenizer
+    loader = wdsvlm.Loader(EXAMPLE, tokenizer, **base)
+    next(iter(loader))
+    state = loader.state_dict()
+    wdsvlm.Loader(EXAMPLE, tokenizer, **base).load_state_dict(state)  # the same: fine
+    for name, value in OTHER_VALUES.items():
+        other = wdsvlm.Loader(EXAMPLE, tokenizer, **{**base, name: value})
+        with pytest.raises(ValueError, match=rf"cannot resume: .*other settings: (.*, )?{name} "):
+            other.load_state_dict(state)
+
+
+def test_a_tokenizer_or_its_template_changed_under_the_same_settings_is_refused(tmp_path):
+    import shutil
+
+    base = {"max_length": 1024, "batch_size": 2, "batches_per_epoch": 2, **SMALL}
+    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, **base)
+    next(iter(loader))
+    state = loader.state_dict()
+    changed = str(tmp_path / "tokenizer")
+    shutil.copytree(TOKENIZER, changed)
+    with open(os.path.join(changed, "chat_template.jinja"), "w") as f:
+        f.write(OTHER_VALUES["chat_template"])
+    with pytest.raises(ValueError, match="other settings: chat_template"):
+        wdsvlm.Loader(EXAMPLE, changed, **base).load_state_dict(state)
+
+
+def test_a_state_of_the_first_release_still_resumes(caplog):
+    base = {"max_length": 1024, "batch_size": 2, **SMALL}
+    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, **base)
+    batches = iter(loader)
+    next(batches)
+    state = loader.state_dict()
+    following = next(batches)
+    config = dict(state["config"])  # the version-1 form of the same state
+    image = [config.pop(k) for k in ("tile_size", "max_image_side", "upscale")]
+    for name in ("tokenizer", "image_token", "chat_template", "max_tiles_per_batch"):
+        del config[name]
+    old = {**state, "version": 1, "config": {**config, "image": image, "vocabulary": [1, 2]}}
+    resumed = wdsvlm.Loader(EXAMPLE, TOKENIZER, **base)
+    resumed.load_state_dict(old)
+    assert keys_of([next(iter(resumed))]) == keys_of([following])
+    assert "does not record" in caplog.text and "chat_template" in caplog.text
+    with pytest.raises(ValueError, match="loader state version 7"):
+        resumed.load_state_dict({**state, "version": 7})

@@ -37,6 +37,7 @@ _LAZY = {
     "Collate": "collate",
     "block_causal_mask": "collate",
     "Loader": "loader",
+    "LoaderSettings": "settings",
     "ReadPolicy": "storage",
     "ShardCache": "cache",
 }

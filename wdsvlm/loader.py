@@ -29,16 +29,21 @@ from .images import ImageConfig, tile_count
 from .pack import BalanceBatches, Pack, tiles_cv
 from .plan import Plan, WorkerConfig
 from .read import ReadSamples
+from .settings import (
+    STATE_VERSION,
+    check_resume,
+    resume_config,
+    settings_from,
+    signature_with_settings,
+    upgrade_state,
+)
 from .shuffle import Shuffle
 from .stats import SkipStats
-from .storage import ReadPolicy
 from .stream import STATE_KEY, STATS_KEY, Stream, fresh_state
 from .tokenize import Tokenize
 from .workers import check_context, check_main_guarded, worker_context
 
 log = logging.getLogger("wdsvlm.loader")
-
-STATE_VERSION = 1
 
 
 def _agreed(value: int) -> int:
@@ -77,132 +82,89 @@ class Loader:
     take is carried into the next (see ``stream.py``): across ranks and workers each sample
     comes once per pass; ``sample_passes`` in each batch says which pass each sample is of.
 
+    Every keyword setting, with its default and meaning, is a field of
+    ``wdsvlm.LoaderSettings`` (``loader.settings`` holds them, checked); those that shape the
+    batches must be the same when a saved state is loaded.
+
     Iterate it for one epoch of batches; call ``set_epoch(e)`` at the top of each epoch
     (iterating again without it goes on with the next epoch). ``state_dict()`` after any
     step and ``load_state_dict()`` in a new process give the same batches from there on.
     ``stats()`` reports fill, samples per pack, drops and skipped samples so far.
     """
 
-    def __init__(
-        self,
-        source: str | Sequence[str],
-        tokenizer: Any,
-        *,
-        max_length: int = 2048,
-        batch_size: int = 8,
-        num_workers: int = 0,
-        seed: int = 0,
-        shuffle_buffer: int = 1000,
-        shuffle_bytes: int = 256 * 2**20,
-        tile_size: int = 512,
-        max_image_side: int = 1024,
-        upscale: bool = False,
-        tokens_per_tile: int = 64,
-        max_tiles_per_pack: int | None = None,
-        max_tiles_per_batch: int | None = None,
-        pack_window: int = 500,
-        truncate: bool = False,
-        batches_per_epoch: int | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        read_policy: ReadPolicy | None = None,
-        read_ahead: int = 2,
-        on_shard_error: str = "raise",
-        cache_dir: str | None = None,
-        cache_bytes: int = 64 * 2**30,
-        pin_memory: bool = False,
-        prefetch_factor: int | None = None,
-        persistent_workers: bool = False,
-        multiprocessing_context: str | None = None,
-        max_consecutive_failures: int = 100,
-        image_token: str | None = None,
-        chat_template: str | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-    ):
-        if max_length < 1 or batch_size < 1:
-            raise ValueError(
-                f"max_length ({max_length}) and batch_size ({batch_size}) must be positive"
-            )
-        if batches_per_epoch is not None and batches_per_epoch < 1:
-            raise ValueError(f"batches_per_epoch must be at least 1, not {batches_per_epoch}")
-        context = check_context(multiprocessing_context)
-        environment = WorkerConfig.from_environment(num_workers)
+    def __init__(self, source: str | Sequence[str], tokenizer: Any, **settings: Any):
+        self.settings = settings = settings_from(settings)
+        environment = WorkerConfig.from_environment(settings.num_workers)
         self.worker_config = WorkerConfig(
-            environment.rank if rank is None else rank,
-            environment.world_size if world_size is None else world_size,
-            num_workers,
+            environment.rank if settings.rank is None else settings.rank,
+            environment.world_size if settings.world_size is None else settings.world_size,
+            settings.num_workers,
         )
-        self.max_length = max_length
-        self.batch_size = batch_size
-        self.image_config = ImageConfig(tile_size, max_image_side, upscale)
-        self._skips = SkipStats(max_consecutive_failures)
+        self.max_length = settings.max_length
+        self.batch_size = settings.batch_size
+        self.image_config = ImageConfig(
+            settings.tile_size, settings.max_image_side, settings.upscale
+        )
+        self._skips = SkipStats(settings.max_consecutive_failures)
         self.plan = Plan(
             source,
-            seed=seed,
+            seed=settings.seed,
             worker_config=self.worker_config,
-            storage_options=storage_options,
-            read_policy=read_policy,
+            storage_options=settings.storage_options,
+            read_policy=settings.read_policy,
         )
         if self.plan.num_samples < self.worker_config.global_workers:
             raise ValueError(
                 f"{source}: {self.plan.num_samples} samples for "
                 f"{self.worker_config.global_workers} global workers (world_size "
-                f"{self.worker_config.world_size} x num_workers {num_workers}); every worker "
-                "needs at least one sample a pass: use fewer workers"
+                f"{self.worker_config.world_size} x num_workers {settings.num_workers}); every "
+                "worker needs at least one sample a pass: use fewer workers"
             )
         self.tokenize = Tokenize(
             tokenizer,
-            tokens_per_tile=tokens_per_tile,
+            tokens_per_tile=settings.tokens_per_tile,
             image_config=self.image_config,
-            image_token=image_token,
-            chat_template=chat_template,
+            image_token=settings.image_token,
+            chat_template=settings.chat_template,
             stats=self._skips,
         )
         tok = self.tokenize.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_token_id = 0 if pad is None else pad
-        if max_tiles_per_batch is not None:
-            if max_tiles_per_batch < batch_size:
-                raise ValueError(
-                    f"max_tiles_per_batch ({max_tiles_per_batch}) must be at least "
-                    f"batch_size ({batch_size})"
-                )
-            share = max_tiles_per_batch // batch_size  # per pack: no batch can pass the budget
-            max_tiles_per_pack = min(share, max_tiles_per_pack or share)
-        self.max_tiles_per_pack = max_tiles_per_pack
+        self.max_tiles_per_pack = settings.tiles_per_pack
         self.pack = Pack(
-            max_length,
-            max_tiles_per_pack=max_tiles_per_pack,
-            window=pack_window,
-            truncate=truncate,
+            settings.max_length,
+            max_tiles_per_pack=self.max_tiles_per_pack,
+            window=settings.pack_window,
+            truncate=settings.truncate,
             image_token_id=self.tokenize.image_token_id,
-            tokens_per_tile=tokens_per_tile,
+            tokens_per_tile=settings.tokens_per_tile,
         )
-        self.balance = BalanceBatches(batch_size)
-        self._storage_options = storage_options
-        self._read_policy = read_policy
+        self.balance = BalanceBatches(settings.batch_size)
         # a multiple of the workers, so that each gives the same number of batches an epoch
         # and none falls behind the others epoch after epoch
         workers = self.worker_config.workers_per_rank
-        estimate = batches_per_epoch or _agreed(self._estimate_batches())
+        estimate = settings.batches_per_epoch or _agreed(self._estimate_batches())
         self._batches_per_epoch = -(-estimate // workers) * workers
         self.stream = Stream(
             self.plan,
             ReadSamples(
-                storage_options,
+                settings.storage_options,
                 stats=self._skips,
-                policy=read_policy,
-                read_ahead=read_ahead,
-                on_shard_error=on_shard_error,
-                cache=ShardCache(cache_dir, cache_bytes) if cache_dir else None,
+                policy=settings.read_policy,
+                read_ahead=settings.read_ahead,
+                on_shard_error=settings.on_shard_error,
+                cache=ShardCache(settings.cache_dir, settings.cache_bytes)
+                if settings.cache_dir
+                else None,
             ),
-            Shuffle(shuffle_buffer, shuffle_bytes, seed),
+            Shuffle(settings.shuffle_buffer, settings.shuffle_bytes, settings.seed),
             self.tokenize,
             self.pack,
             self.balance,
             Collate(
-                max_length,
-                batch_size,
+                settings.max_length,
+                settings.batch_size,
                 self.pad_token_id,
                 image_config=self.image_config,
                 stats=self._skips,
@@ -210,32 +172,27 @@ class Loader:
             self._skips,
             self._batches_per_epoch,
         )
+        num_workers = settings.num_workers
         self.dataloader_options = {
             "batch_size": None,
             "num_workers": num_workers,
-            "pin_memory": pin_memory,
-            "persistent_workers": persistent_workers and num_workers > 0,
+            "pin_memory": settings.pin_memory,
+            "persistent_workers": settings.persistent_workers and num_workers > 0,
         }
         if num_workers:
-            self.dataloader_options["prefetch_factor"] = prefetch_factor or 2
+            self.dataloader_options["prefetch_factor"] = settings.prefetch_factor or 2
             self.dataloader_options["multiprocessing_context"] = worker_context(
-                context, (type(tok).__module__,)
+                check_context(settings.multiprocessing_context), (type(tok).__module__,)
             )
-        self._config = {  # what a saved state must agree with to resume exactly
-            "dataset": self._dataset_id(),
-            "seed": seed,
-            "max_length": max_length,
-            "batch_size": batch_size,
-            "batches_per_epoch": self._batches_per_epoch,
-            "shuffle_buffer": shuffle_buffer,
-            "shuffle_bytes": shuffle_bytes,
-            "image": [tile_size, max_image_side, upscale],
-            "tokens_per_tile": tokens_per_tile,
-            "max_tiles_per_pack": max_tiles_per_pack,
-            "pack_window": pack_window,
-            "truncate": truncate,
-            "vocabulary": [len(tok), self.tokenize.image_token_id],
-        }
+        self._config = resume_config(  # what a saved state must agree with to resume exactly
+            settings,
+            max_tiles_per_pack=self.max_tiles_per_pack,
+            image_token=self.tokenize.image_token,
+            chat_template=self.tokenize.chat_template,
+            dataset=self._dataset_id(),
+            tokenizer=self.tokenize.fingerprint(),
+            batches_per_epoch=self._batches_per_epoch,
+        )
         self._worker_stats: dict = {}
         self._yielded = [0, 0, 0, 0]
         self._dataloader = None
@@ -350,7 +307,10 @@ class Loader:
                     )
         quiet = SkipStats()  # a bad sample here is found again, and counted, when it is read
         read = ReadSamples(
-            self._storage_options, stats=quiet, policy=self._read_policy, on_shard_error="skip"
+            self.settings.storage_options,
+            stats=quiet,
+            policy=self.settings.read_policy,
+            on_shard_error="skip",
         )
         with ThreadPoolExecutor(8) as pool:  # small reads: at once, not one round trip each
             parts = pool.map(lambda part: list(read(iter(part))), [spans[i::8] for i in range(8)])
@@ -442,11 +402,7 @@ class Loader:
         """Go on from a ``state_dict()``: the next batches are the ones the saved run yielded
         after it. The dataset, the settings and the topology (rank, world size, workers)
         must be the ones it was saved with; a difference is refused, naming it."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(
-                f"loader state version {state.get('version')!r}; this wdsvlm reads version "
-                f"{STATE_VERSION}"
-            )
+        state = upgrade_state(state)
         saved, here = state["topology"], self._topology()
         if saved != here:
             diff = ", ".join(
@@ -459,16 +415,7 @@ class Loader:
                 f"new epoch afresh instead: set_epoch({state['epoch'] + 1}) without loading "
                 "this state (the samples the saved epoch still carried are then not yielded)."
             )
-        diff = [
-            k
-            for k in self._config
-            if state["config"].get(k) != self._config[k] and k != "batches_per_epoch"
-        ]
-        if diff:
-            raise ValueError(
-                "cannot resume: the loader state was saved with other settings: "
-                + ", ".join(f"{k} {state['config'].get(k)!r} -> {self._config[k]!r}" for k in diff)
-            )
+        check_resume(state["config"], self._config)
         saved_length = state["config"]["batches_per_epoch"]
         if saved_length != self._batches_per_epoch:  # the saved run's epochs go on as they were
             log.info("len(loader) is %d as saved (estimated %d now)", saved_length, len(self))
@@ -524,3 +471,6 @@ class Loader:
             "skipped": dict(skips.counts),
             "skipped_examples": {k: list(v) for k, v in skips.examples.items()},
         }
+
+
+Loader.__init__.__signature__ = signature_with_settings(Loader.__init__)
