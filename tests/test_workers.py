@@ -20,6 +20,17 @@ TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
 SMALL = {"max_length": 256, "batch_size": 2, "tile_size": 32, "max_image_side": 64}
 
 
+def started_workers(loader) -> tuple[list, object]:
+    """The processes that starting ``loader``'s workers (its first batch) added, and the
+    running iterator."""
+    before = {p.pid for p in multiprocessing.active_children()}
+    batches = iter(loader)
+    next(batches)
+    workers = [p for p in multiprocessing.active_children() if p.pid not in before]
+    assert len(workers) == loader.settings.num_workers
+    return workers, batches
+
+
 def parent_and_threads(pid: int) -> tuple[int, int]:
     """The parent of process ``pid`` and how many threads that parent runs."""
     with open(f"/proc/{pid}/stat") as f:
@@ -35,10 +46,7 @@ def test_workers_are_forked_from_a_process_that_runs_no_thread():
     busy = threading.Thread(target=stop.wait, daemon=True)  # this process is threaded
     busy.start()
     loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, num_workers=2, **SMALL)
-    batches = iter(loader)
-    next(batches)
-    workers = multiprocessing.active_children()
-    assert len(workers) >= 2
+    workers, batches = started_workers(loader)
     for worker in workers:
         parent, threads = parent_and_threads(worker.pid)
         assert parent != os.getpid(), "a worker was forked from the training process"
@@ -51,11 +59,8 @@ def test_fork_is_there_for_those_who_ask_and_a_wrong_name_is_refused():
     loader = wdsvlm.Loader(
         EXAMPLE, TOKENIZER, num_workers=2, multiprocessing_context="fork", **SMALL
     )
-    batches = iter(loader)
-    next(batches)
-    assert {parent_and_threads(w.pid)[0] for w in multiprocessing.active_children()} == {
-        os.getpid()
-    }
+    workers, batches = started_workers(loader)
+    assert {parent_and_threads(w.pid)[0] for w in workers} == {os.getpid()}
     batches.close()
     with pytest.raises(ValueError, match="multiprocessing_context 'threads' is not one of"):
         wdsvlm.Loader(EXAMPLE, TOKENIZER, multiprocessing_context="threads", **SMALL)
@@ -119,3 +124,29 @@ def test_many_worker_starts_right_after_a_resume_in_a_gloo_group_never_hang():
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["context"] == "forkserver"
     assert result["starts"] == 80 and result["hangs"] == 0
+
+
+def _environment_seen(payload: bytes, answer) -> None:
+    import pickle
+
+    pickle.loads(payload)  # a worker's copy of the Loader's stream
+    answer.put(os.environ.get("WDSVLM_TEST_PROBE"))
+
+
+@pytest.mark.processes
+def test_workers_see_the_environment_as_it_is_when_they_start(monkeypatch):
+    """The fork server keeps the environment it started with; a worker must see credentials
+    and settings put in the environment since, as a forked worker would."""
+    import pickle
+
+    context = multiprocessing.get_context("forkserver")
+    warm = context.Process(target=os.getpid)  # the fork server is up before the change
+    warm.start()
+    warm.join()
+    monkeypatch.setenv("WDSVLM_TEST_PROBE", "set after the server started")
+    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, batches_per_epoch=2, **SMALL)
+    answer = context.Queue()
+    child = context.Process(target=_environment_seen, args=(pickle.dumps(loader.stream), answer))
+    child.start()
+    assert answer.get(timeout=60) == "set after the server started"
+    child.join(timeout=60)

@@ -20,6 +20,7 @@ and window sizes, never a replay of the epoch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -102,8 +103,17 @@ class Stream(IterableDataset):
         }
         self._live: dict | None = None
 
-    def __getstate__(self):  # what a worker gets: the job, not a running stream
-        return {**self.__dict__, "_live": None}
+    def __getstate__(self):
+        # What a worker gets: the job, not a running stream; and the environment as it is
+        # now (credentials set after the fork server started, say), as a forked worker has.
+        return {**self.__dict__, "_live": None, "_environ": dict(os.environ)}
+
+    def __setstate__(self, state: dict) -> None:
+        environ = state.pop("_environ", None)
+        if environ is not None and environ != dict(os.environ):
+            os.environ.clear()
+            os.environ.update(environ)
+        self.__dict__.update(state)
 
     @property
     def workers(self) -> int:
