@@ -129,6 +129,19 @@ class Loader:
             stats=self._skips,
         )
         tok = self.tokenize.tokenizer
+        # made before sizing the epoch: a fork server starts now, in the background
+        num_workers = settings.num_workers
+        self.dataloader_options = {
+            "batch_size": None,
+            "num_workers": num_workers,
+            "pin_memory": settings.pin_memory,
+            "persistent_workers": settings.persistent_workers and num_workers > 0,
+        }
+        if num_workers:
+            self.dataloader_options["prefetch_factor"] = settings.prefetch_factor or 2
+            self.dataloader_options["multiprocessing_context"] = worker_context(
+                check_context(settings.multiprocessing_context), (type(tok).__module__,)
+            )
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_token_id = 0 if pad is None else pad
         self.max_tiles_per_pack = settings.tiles_per_pack
@@ -172,18 +185,6 @@ class Loader:
             self._skips,
             self._batches_per_epoch,
         )
-        num_workers = settings.num_workers
-        self.dataloader_options = {
-            "batch_size": None,
-            "num_workers": num_workers,
-            "pin_memory": settings.pin_memory,
-            "persistent_workers": settings.persistent_workers and num_workers > 0,
-        }
-        if num_workers:
-            self.dataloader_options["prefetch_factor"] = settings.prefetch_factor or 2
-            self.dataloader_options["multiprocessing_context"] = worker_context(
-                check_context(settings.multiprocessing_context), (type(tok).__module__,)
-            )
         self._config = resume_config(  # what a saved state must agree with to resume exactly
             settings,
             max_tiles_per_pack=self.max_tiles_per_pack,
