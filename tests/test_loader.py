@@ -328,3 +328,33 @@ def test_a_state_of_the_first_release_still_resumes(caplog):
     assert "does not record" in caplog.text and "chat_template" in caplog.text
     with pytest.raises(ValueError, match="loader state version 7"):
         resumed.load_state_dict({**state, "version": 7})
+
+
+def test_a_dataset_where_nothing_fits_is_an_error_not_an_endless_loop():
+    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, max_length=8, batch_size=1, **SMALL)
+    with pytest.raises(wdsvlm.WdsvlmError, match=r"no batch can come: .*too_many_tokens"):
+        next(iter(loader))
+
+
+def test_a_dataset_of_only_bad_samples_is_an_error_not_an_endless_loop(tmp_path):
+    from .conftest import write_jsonl
+
+    records = [
+        {
+            "id": f"r{i}",
+            "conversations": [{"from": "human", "value": "Q?"}, {"from": "gpt", "value": "A."}],
+        }
+        for i in range(6)
+    ]
+    data = str(tmp_path / "ds")
+    wdsvlm.write_dataset(write_jsonl(str(tmp_path / "in.jsonl"), records), data, progress=False)
+    shard = os.path.join(data, "data-000000.tar")
+    spoiled = open(shard, "rb").read().replace(b'{"id":"r', b'#{"id":"')  # no JSON parses
+    open(shard, "wb").write(spoiled)
+    # with the cap on failures in a row out of the way (6 bad samples a pass could be fewer
+    # than the cap)
+    loader = wdsvlm.Loader(
+        data, TOKENIZER, max_length=256, batches_per_epoch=2, max_consecutive_failures=10**6
+    )
+    with pytest.raises(wdsvlm.WdsvlmError, match=r"no batch can come: .*invalid_json"):
+        next(iter(loader))

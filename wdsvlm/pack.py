@@ -278,6 +278,7 @@ class Pack:
         self.max_tiles_per_pack = max_tiles_per_pack
         self.window = window
         self.pack_stats = PackStats()
+        self.accepted = 0  # samples taken into a window so far (never reset): progress
         self._limits = Packer(max_length, max_tiles_per_pack)  # for fit(), made once
 
     def __call__(
@@ -316,6 +317,7 @@ class Pack:
                 ready.extend(packer.drain())  # a new epoch begins: the last one's samples first
             # the sample goes into the window before any pack is handed on, and packs wait in
             # ``ready``: a state taken while a pack is out holds every sample
+            self.accepted += 1
             ready.extend(packer.push(sample, tokens, tiles))
             while ready:
                 yield ready.popleft()

@@ -43,7 +43,7 @@ class LoaderSettings:
     seed: int = _shapes(0)
     """Seeds the order of every pass and the shuffle buffer."""
     shuffle_buffer: int = _shapes(1000)
-    """Samples in the shuffle buffer (0: no buffer)."""
+    """Samples in the shuffle buffer."""
     shuffle_bytes: int = _shapes(256 * 2**20)
     """Bytes the shuffle buffer may hold."""
     tile_size: int = _shapes(512)
@@ -96,6 +96,8 @@ class LoaderSettings:
         positive = [
             "max_length",
             "batch_size",
+            "shuffle_buffer",
+            "shuffle_bytes",
             "tile_size",
             "max_image_side",
             "tokens_per_tile",
@@ -103,7 +105,7 @@ class LoaderSettings:
             "cache_bytes",
             "max_consecutive_failures",
         ]
-        at_least_zero = ["num_workers", "shuffle_buffer", "shuffle_bytes", "read_ahead"]
+        at_least_zero = ["num_workers", "read_ahead"]
         optional_positive = [
             "max_tiles_per_pack",
             "max_tiles_per_batch",

@@ -29,7 +29,7 @@ from torch.utils.data import IterableDataset
 from .collate import Collate
 from .errors import StorageError, WdsvlmError
 from .pack import BalanceBatches, Pack
-from .plan import Plan
+from .plan import Plan, worker_share
 from .read import ReadSamples
 from .shuffle import Shuffle
 from .stats import SkipStats
@@ -102,6 +102,8 @@ class Stream(IterableDataset):
             "states": [fresh_state(0)] * self.workers,
         }
         self._live: dict | None = None
+        self._read_since_batch = 0  # samples read since the last batch, and what packing
+        self._accepted_at = 0  # had taken in at that batch: the stream's progress
 
     def __getstate__(self):
         # What a worker gets: the job, not a running stream; and the environment as it is
@@ -146,6 +148,7 @@ class Stream(IterableDataset):
                     f"the loader asked for epoch {epoch} but set up epoch {job['epoch']}"
                 )
             role = (job["done"] + worker) % self.workers
+            self._read_since_batch, self._accepted_at = 0, self.pack.accepted
             live = self._live = self._start(role, epoch, job["states"][role])
             live["left"] = quota(job["done"], self.batches_per_epoch, self.workers, role)
         self.pack.pack_stats.reset()
@@ -155,6 +158,7 @@ class Stream(IterableDataset):
             if batch is None:  # the stream is endless: only a bug ends it
                 raise WdsvlmError(f"the stream of worker {live['role']} ended")
             live["left"] -= 1
+            self._read_since_batch, self._accepted_at = 0, self.pack.accepted
             batch[STATE_KEY] = {"role": live["role"], "state": self.capture(live)}
             batch[STATS_KEY] = {
                 "worker": live["role"],
@@ -212,9 +216,33 @@ class Stream(IterableDataset):
         }
 
     def _spans(self, worker: int, epoch: int, position: int) -> Iterator[dict]:
+        """Pass after pass of the worker's share, endlessly; but when two whole passes' worth
+        of samples (beyond what the stages can hold in flight) has been read since the last
+        batch and not one sample was taken into packing, no batch can ever come (every sample
+        is bad data or outside the budgets): that is an error, not an endless loop."""
+        config = self.plan.worker_config
+        start, stop = worker_share(self.plan.num_samples, worker, config.global_workers)
+        share = stop - start
+        in_flight = self.shuffle.buffer_size + self.tokenize.batch_size + 3 * share
+        limit = 2 * share + in_flight
         while True:  # pass after pass; every global worker has a share of each
-            yield from self.plan.spans(epoch, worker, position)
+            for span in self.plan.spans(epoch, worker, position):
+                self._read_since_batch += len(span["entries"])
+                if self._read_since_batch > limit and self.pack.accepted == self._accepted_at:
+                    raise WdsvlmError(self._no_progress(worker, share))
+                yield span
             epoch, position = epoch + 1, 0
+
+    def _no_progress(self, worker: int, share: int) -> str:
+        skipped = dict(self.skips.counts)
+        dropped = dict(self.pack.pack_stats.dropped)
+        return (
+            f"no batch can come: global worker {worker} read {self._read_since_batch} samples "
+            f"(its share is {share} a pass) and none could be packed: skipped as bad data "
+            f"{skipped or 'none'}, dropped for not fitting {dropped or 'none'} (max_length "
+            f"{self.pack.max_length}, max_tiles_per_pack {self.pack.max_tiles_per_pack}). "
+            "Raise the budgets, pass truncate=True, or check the data (wdsvlm stats)"
+        )
 
     def _read_again(self, worker: int, places: Sequence[Sequence[int]]) -> dict[tuple, dict]:
         """The samples at ``places``, read again through the index. One that cannot be read
