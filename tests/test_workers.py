@@ -150,3 +150,24 @@ def test_workers_see_the_environment_as_it_is_when_they_start(monkeypatch):
     child.start()
     assert answer.get(timeout=60) == "set after the server started"
     child.join(timeout=60)
+
+
+def test_after_an_error_in_a_worker_the_workers_stop_at_once(tmp_path):
+    """The error's traceback keeps the DataLoader's iterator alive; the workers must not wait
+    for the cycle collector (and then 5 s each) to be told to stop."""
+    import shutil
+    import time
+
+    data = str(tmp_path / "ds")
+    shutil.copytree(EXAMPLE, data)
+    loader = wdsvlm.Loader(data, TOKENIZER, num_workers=2, **SMALL)
+    os.remove(os.path.join(data, "shapes-000002.tar"))
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(wdsvlm.StorageError) as caught:
+        for _ in loader:
+            pass
+    started = time.monotonic()
+    workers = [p for p in multiprocessing.active_children() if p.pid not in before]
+    assert not workers, f"workers still running after the error: {workers}"
+    assert time.monotonic() - started < 1
+    assert caught.value  # the traceback (and what it holds) is still alive here

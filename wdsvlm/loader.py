@@ -353,14 +353,25 @@ class Loader:
             self._dataloader = DataLoader(self.stream, **self.dataloader_options)
         whole = self._done == 0
         self._reusable = False
-        for batch in self._dataloader:
-            state = batch.pop(STATE_KEY)
-            self._states[state["role"]] = state["state"]
-            report = batch.pop(STATS_KEY)
-            self._worker_stats[report.pop("worker")] = report
-            self._done += 1
-            self._count(batch)
-            yield batch
+        batches = iter(self._dataloader)
+        try:
+            for batch in batches:
+                state = batch.pop(STATE_KEY)
+                self._states[state["role"]] = state["state"]
+                report = batch.pop(STATS_KEY)
+                self._worker_stats[report.pop("worker")] = report
+                self._done += 1
+                self._count(batch)
+                yield batch
+        except Exception:
+            # Stop the workers now: the error's traceback holds the DataLoader's iterator, and
+            # freed later by the cycle collector, its queues can go first, its workers are
+            # never told to stop, and each is waited for 5 s. New workers for what follows.
+            shutdown = getattr(batches, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            self._dataloader = None
+            raise
         if self._done != total:
             raise WdsvlmError(f"epoch {self._epoch} ended after {self._done} of {total} batches")
         self._reusable = whole  # each worker's stream stands at the end of this epoch
