@@ -103,9 +103,10 @@ def test_plan_refuses_a_dataloader_with_other_worker_count():
     from torch.utils.data import DataLoader
 
     plan = Plan(EXAMPLE, worker_config=WorkerConfig(0, 1, 3))
-    loader = DataLoader(plan, batch_size=None, num_workers=2)
+    batches = iter(DataLoader(plan, batch_size=None, num_workers=2))
     with pytest.raises(ValueError, match="2 workers but the plan was made for 3"):
-        next(iter(loader))
+        next(batches)
+    batches._shutdown_workers()  # now, not when the cycle collector frees it (10 s later)
 
 
 @pytest.mark.processes
