@@ -97,7 +97,7 @@ def test_a_script_whose_workers_would_rerun_its_top_level_is_refused(tmp_path, g
         assert run.stdout.startswith("batches ")
     else:
         assert run.returncode == 1
-        assert f"{script}, line 6: DataLoader workers start with" in run.stderr
+        assert f"{script}, line 4: DataLoader workers start with" in run.stderr  # made there
         assert 'if __name__ == "__main__":' in run.stderr
 
 
@@ -171,3 +171,33 @@ def test_after_an_error_in_a_worker_the_workers_stop_at_once(tmp_path):
     assert not workers, f"workers still running after the error: {workers}"
     assert time.monotonic() - started < 1
     assert caught.value  # the traceback (and what it holds) is still alive here
+
+
+@pytest.mark.parametrize(
+    "source,line,guarded",
+    [
+        ('if __name__ == "__main__":\n    main()\n', 2, True),
+        ("if '__main__' == __name__:\n    main()\n", 2, True),
+        ('if __name__ == "__main__" and not FLAG:\n    main()\n', 2, True),
+        ('try:\n    if __name__ == "__main__":\n        main()\nfinally:\n    pass\n', 3, True),
+        ('if __name__ == "__main__":\n    main()\nelse:\n    main()\n', 4, False),
+        ('def f():\n    if __name__ == "__main__":\n        main()\n', 3, False),
+        ("main()\n", 1, False),
+    ],
+    ids=["guard", "reversed", "and", "in-try", "else-branch", "in-a-function", "top-level"],
+)
+def test_the_main_guard_is_read_from_the_script(tmp_path, source, line, guarded):
+    from wdsvlm.workers import _guarded
+
+    script = tmp_path / "train.py"
+    script.write_text("import wdsvlm\n\n" + source)
+    assert _guarded(str(script), line + 2) is guarded
+
+
+def test_the_settings_are_frozen_and_hashable():
+    import dataclasses
+
+    settings = wdsvlm.LoaderSettings(storage_options={"anon": True})
+    assert hash(settings) == hash(wdsvlm.LoaderSettings(storage_options={"anon": False}))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.max_length = 1

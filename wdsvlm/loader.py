@@ -138,9 +138,11 @@ class Loader:
             "persistent_workers": settings.persistent_workers and num_workers > 0,
         }
         if num_workers:
+            context = check_context(settings.multiprocessing_context)
+            check_main_guarded(context)  # before a fork server starts, not in each worker
             self.dataloader_options["prefetch_factor"] = settings.prefetch_factor or 2
             self.dataloader_options["multiprocessing_context"] = worker_context(
-                check_context(settings.multiprocessing_context), (type(tok).__module__,)
+                context, (type(tok).__module__,)
             )
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_token_id = 0 if pad is None else pad
@@ -363,7 +365,7 @@ class Loader:
                 self._done += 1
                 self._count(batch)
                 yield batch
-        except Exception:
+        except Exception as e:
             # Stop the workers now: the error's traceback holds the DataLoader's iterator, and
             # freed later by the cycle collector, its queues can go first, its workers are
             # never told to stop, and each is waited for 5 s. New workers for what follows.
@@ -371,6 +373,16 @@ class Loader:
             if shutdown is not None:
                 shutdown()
             self._dataloader = None
+            self.stream.forget()  # without workers: the read-ahead thread stops now
+            if (
+                isinstance(e, (ConnectionError, EOFError))
+                and self.dataloader_options["num_workers"]
+            ):
+                # a worker that dies while its batch's shared memory is being handed over
+                raise RuntimeError(
+                    "DataLoader worker exited unexpectedly while handing over a batch "
+                    f"({type(e).__name__}: {e})"
+                ) from e
             raise
         if self._done != total:
             raise WdsvlmError(f"epoch {self._epoch} ended after {self._done} of {total} batches")

@@ -68,7 +68,7 @@ class LoaderSettings:
     """The image token; None: the tokenizer's own, else ``<image>``."""
     chat_template: str | None = _shapes(None)
     """A Jinja chat template; None: the tokenizer's own, else ChatML."""
-    storage_options: Mapping[str, Any] | None = None
+    storage_options: Mapping[str, Any] | None = field(default=None, hash=False)
     """fsspec options for bucket URLs (never saved in a state: they may hold credentials)."""
     read_policy: ReadPolicy | None = None
     """Block size, retries, backoff and timeout of ranged reads."""

@@ -188,7 +188,9 @@ class Stream(IterableDataset):
             c for p, c in zip(window, state["window"]["came"], strict=True) if tuple(p) in again
         ]
         reader = self.read(self._spans(worker, *state["read"]))
-        stages = self.shuffle(reader, resume={**state["shuffle"], "held": found(held)})
+        stages = self.shuffle(
+            self._watched(reader, worker), resume={**state["shuffle"], "held": found(held)}
+        )
         stages = self.tokenize(stages, resume=found(state["tokenize"]))
         stages = self.pack(
             stages,
@@ -216,22 +218,26 @@ class Stream(IterableDataset):
         }
 
     def _spans(self, worker: int, epoch: int, position: int) -> Iterator[dict]:
-        """Pass after pass of the worker's share, endlessly; but when two whole passes' worth
-        of samples (beyond what the stages can hold in flight) has been read since the last
-        batch and not one sample was taken into packing, no batch can ever come (every sample
-        is bad data or outside the budgets): that is an error, not an endless loop."""
+        while True:  # pass after pass; every global worker has a share of each
+            yield from self.plan.spans(epoch, worker, position)
+            epoch, position = epoch + 1, 0
+
+    def _watched(self, samples: Iterator[dict], worker: int) -> Iterator[dict]:
+        """``samples`` as read, counted. The stream is endless, so a share in which no sample
+        can be packed (all bad data, or all outside the budgets) would be read for ever:
+        once two passes' worth has been read since the last batch, beyond what the stages
+        can hold (the shuffle buffer, a tokenizer batch), and packing took in none of it, no
+        batch can come, and that is an error. Runs in the consumer's thread, as do the
+        counts it reads."""
         config = self.plan.worker_config
         start, stop = worker_share(self.plan.num_samples, worker, config.global_workers)
         share = stop - start
-        in_flight = self.shuffle.buffer_size + self.tokenize.batch_size + 3 * share
-        limit = 2 * share + in_flight
-        while True:  # pass after pass; every global worker has a share of each
-            for span in self.plan.spans(epoch, worker, position):
-                self._read_since_batch += len(span["entries"])
-                if self._read_since_batch > limit and self.pack.accepted == self._accepted_at:
-                    raise WdsvlmError(self._no_progress(worker, share))
-                yield span
-            epoch, position = epoch + 1, 0
+        limit = 2 * share + self.shuffle.buffer_size + self.tokenize.batch_size + 1
+        for sample in samples:
+            self._read_since_batch += 1
+            if self._read_since_batch > limit and self.pack.accepted == self._accepted_at:
+                raise WdsvlmError(self._no_progress(worker, share))
+            yield sample
 
     def _no_progress(self, worker: int, share: int) -> str:
         skipped = dict(self.skips.counts)
@@ -257,8 +263,14 @@ class Stream(IterableDataset):
             for span in spans:
                 for entry, position in zip(span["entries"], span["positions"], strict=True):
                     names[(p, position)] = f"{span['shard']}/{entry['key']}"
-            for sample in self.read(iter(spans)):
-                out[(p, sample["__pos__"])] = sample
+            try:
+                for sample in self.read(iter(spans)):
+                    out[(p, sample["__pos__"])] = sample
+            except StorageError as e:  # raise mode: a shard of the saved samples is gone
+                raise StorageError(
+                    f"cannot resume: the saved state (global worker {worker}) holds samples "
+                    f"that cannot be read again: {e}"
+                ) from e
         missing = [tuple(p) for p in places if tuple(p) not in out]
         if missing and self.read.on_shard_error != "skip":
             shown = ", ".join(names.get(m, f"pass {m[0]} position {m[1]}") for m in missing[:5])

@@ -128,17 +128,14 @@ class Tokenize:
         check_template(tok, template)
 
     def fingerprint(self) -> str:
-        """A short hash of the tokenizer in use (its whole definition where it has one, else
-        its vocabulary): a resumed loader must tokenize as the saved one did."""
+        """A short hash of the tokenizer in use (its vocabulary, added tokens included, and
+        its special tokens; not its serialised form, which a new release of tokenizers may
+        write differently): a resumed loader must tokenize as the saved one did."""
         import hashlib
 
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        text = (
-            backend.to_str()
-            if backend is not None
-            else json.dumps(sorted(self.tokenizer.get_vocab().items()))
-        )
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        tok = self.tokenizer
+        facts = [sorted(tok.get_vocab().items()), sorted(tok.all_special_tokens)]
+        return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
 
     def render(self, messages: list[dict], where: str = "a conversation") -> str:
         """The conversation as transformers renders it (``apply_chat_template``: the same

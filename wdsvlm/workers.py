@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import multiprocessing
+import os
 import sys
 from typing import Any
 
@@ -73,16 +74,21 @@ def check_main_guarded(name: str) -> None:
     path = getattr(main, "__file__", None)
     if main is None or path is None or not path.endswith(".py"):
         return  # python -c, a notebook, an interpreter: workers import no main module
+    path = os.path.abspath(path)
     frame, top = sys._getframe(1), None
-    while frame is not None:  # the script's top-level frame, where this call started
-        if frame.f_globals is main.__dict__ and frame.f_code.co_name == "<module>":
+    while frame is not None:  # the script's own top-level frame, where this call started
+        code = frame.f_code
+        if (
+            frame.f_globals is main.__dict__
+            and code.co_name == "<module>"
+            and os.path.abspath(code.co_filename) == path  # not a debugger's frame (pdb)
+        ):
             top = frame
         frame = frame.f_back
-    if top is None or _guarded_lines(path, top.f_lineno):
+    if top is None or _guarded(path, top.f_lineno):
         return
-    frame = top
     raise RuntimeError(
-        f"{path}, line {frame.f_lineno}: DataLoader workers start with "
+        f"{path}, line {top.f_lineno}: DataLoader workers start with "
         f"multiprocessing_context={name!r}, so each imports this script again, and this line "
         'is not under `if __name__ == "__main__":`: the workers would run it too. Put the '
         "script's top-level code in a function called under that guard (as torchrun scripts "
@@ -91,21 +97,30 @@ def check_main_guarded(name: str) -> None:
     )
 
 
-def _guarded_lines(path: str, line: int) -> bool:
-    """Whether ``line`` of the script at ``path`` lies under ``if __name__ == "__main__":``."""
+def _guarded(path: str, line: int) -> bool:
+    """Whether ``line`` of the script at ``path`` lies in the body of an
+    ``if __name__ == "__main__":`` (outside any function or class)."""
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
     except (OSError, SyntaxError, ValueError):
         return True  # cannot tell: let multiprocessing's own check speak
-    for node in tree.body:
-        if isinstance(node, ast.If) and _is_main_test(node.test):
-            if node.lineno <= line <= (node.end_lineno or node.lineno):
+    nodes = list(tree.body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, ast.If) and _tests_main(node.test) and node.body:
+            if node.body[0].lineno <= line <= (node.body[-1].end_lineno or line):
                 return True
+        nodes.extend(ast.iter_child_nodes(node))
     return False
 
 
-def _is_main_test(test: ast.expr) -> bool:
+def _tests_main(test: ast.expr) -> bool:
+    """``__name__ == "__main__"`` (either way round), or an ``and`` that contains it."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(_tests_main(value) for value in test.values)
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
         return False
     sides = [test.left, test.comparators[0]]
