@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .stats import tally
+
 log = logging.getLogger("wdsvlm.pack")
 
 # When the best token fill breaks the tile budget, the tile-heaviest chosen sample is set
@@ -90,19 +92,16 @@ class PackStats:
     def drop(self, reason: str, sample: dict, detail: str) -> None:
         """Count one sample that cannot be packed (too long, too many tiles): good data
         outside the budgets, so it is not a failure and never trips the bad-data cap."""
-        where = f"{sample.get('__shard__', '?')}/{sample.get('__key__', '?')}"
-        self.dropped[reason] += 1
-        examples = self.dropped_examples.setdefault(reason, [])
-        if len(examples) < self.keep_examples:
-            examples.append(where)
-        if self.dropped[reason] == 1:
-            log.warning(
-                "dropping %s: %s: %s (further %s samples are counted, not logged)",
-                where,
-                reason,
-                detail,
-                reason,
-            )
+        tally(
+            self.dropped,
+            self.dropped_examples,
+            self.keep_examples,
+            reason,
+            sample,
+            detail,
+            "dropping",
+            log,
+        )
 
     @property
     def fill(self) -> float:

@@ -11,6 +11,36 @@ from .errors import TooManyFailuresError
 log = logging.getLogger("wdsvlm.stats")
 
 
+def tally(
+    counts: Counter,
+    examples: dict[str, list[str]],
+    keep: int,
+    reason: str,
+    sample: dict,
+    detail: str,
+    verb: str,
+    logger: logging.Logger,
+) -> str:
+    """Count one sample (a dict with ``__shard__`` and ``__key__``) under ``reason``, keep its
+    ``"SHARD/KEY"`` among the first ``keep`` of that reason, and log the first one of each
+    reason (``verb``: what happens to it, "skipping", "dropping"). Returns ``"SHARD/KEY"``."""
+    where = f"{sample.get('__shard__', '?')}/{sample.get('__key__', '?')}"
+    counts[reason] += 1
+    kept = examples.setdefault(reason, [])
+    if len(kept) < keep:
+        kept.append(where)
+    if counts[reason] == 1:
+        logger.warning(
+            "%s %s: %s: %s (further %s samples are counted, not logged)",
+            verb,
+            where,
+            reason,
+            detail,
+            reason,
+        )
+    return where
+
+
 class SkipStats:
     """Skipped samples of one worker process, shared by the stages it runs.
 
@@ -34,19 +64,9 @@ class SkipStats:
         """Count one skipped sample (a dict with ``__shard__`` and ``__key__``); ``streak``:
         whether it counts towards the cap on failures in a row (not for samples skipped
         because their whole shard could not be read, which is reported once)."""
-        where = f"{sample.get('__shard__', '?')}/{sample.get('__key__', '?')}"
-        self.counts[reason] += 1
-        examples = self.examples.setdefault(reason, [])
-        if len(examples) < self.keep_examples:
-            examples.append(where)
-        if self.counts[reason] == 1:
-            log.warning(
-                "skipping %s: %s: %s (further %s samples are counted, not logged)",
-                where,
-                reason,
-                detail,
-                reason,
-            )
+        where = tally(
+            self.counts, self.examples, self.keep_examples, reason, sample, detail, "skipping", log
+        )
         if not streak:
             return
         self._in_a_row[stage] += 1

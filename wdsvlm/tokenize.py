@@ -18,6 +18,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import jinja2
 import numpy as np
 
 from .errors import TemplateError
@@ -59,8 +60,6 @@ _PROBE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"
 def check_template(tokenizer, template: str) -> None:
     """Refuse a chat template that transformers cannot compile (a syntax error is the
     template's fault, not a sample's), naming where it fails."""
-    import jinja2
-
     try:
         tokenizer.apply_chat_template(_PROBE, chat_template=template, tokenize=False)
     except jinja2.TemplateSyntaxError as e:
@@ -142,8 +141,6 @@ class Tokenize:
         sandbox, globals and extensions, ``{% generation %}`` included). A template that
         fails on it (``raise_exception``, an undefined name) raises ``TemplateError`` naming
         ``where`` (the sample's ``SHARD/KEY``)."""
-        import jinja2
-
         try:
             return self.tokenizer.apply_chat_template(
                 messages, chat_template=self.chat_template, tokenize=False
