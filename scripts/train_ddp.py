@@ -1,6 +1,7 @@
 """The main job: a tiny vision-language model trained with torchrun on wdsvlm's packed batches.
 
     torchrun --standalone --nproc_per_node=2 scripts/train_ddp.py [--data shards_example]
+        [--model tiny|qwen2_vl-tiny|qwen2_5_vl-tiny|qwen3_vl-tiny|smolvlm-tiny]
         [--epochs 2] [--max-steps N] [--out runs/train] [--resume] [--print-keys]
 
 The model: a patch-embedding vision tower (one strided convolution per tile, one feature per
@@ -11,6 +12,11 @@ loss is summed and divided by the global `num_loss_tokens` (all-reduced). Rank 0
 tokens/s, the fill of the batches and the share of step time spent waiting for data. Each rank
 saves the model, the optimizer and its loader state every `--save-every` steps and at the end;
 `--resume` goes on from there.
+
+`--model qwen2_5_vl-tiny` (or another family's) trains transformers' own architecture instead,
+tiny and randomly initialised (`wdsvlm.tiny`, built offline), on batches of the Loader made
+with that family's processor: `model(**wdsvlm.model_inputs(batch))`, packed rows isolated by
+their position ids alone.
 """
 
 from __future__ import annotations
@@ -71,10 +77,34 @@ class TinyVLM(nn.Module):
         return out.logits
 
 
+FAMILY_MODELS = {
+    f"{family}-tiny": family for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "smolvlm")
+}
+
+
+class FamilyModel(nn.Module):
+    """A transformers VLM fed through ``wdsvlm.model_inputs``; returns the logits."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        inputs = wdsvlm.model_inputs(batch)
+        inputs.pop("labels")  # the loss is over the global batch's tokens, below
+        return self.model(**inputs).logits
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=os.path.join(REPO, "shards_example"))
     parser.add_argument("--tokenizer", default=None, help="default: DATA/tokenizer")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        choices=["tiny", *FAMILY_MODELS],
+        help="tiny: the patch-embedding model above; FAMILY-tiny: transformers' own",
+    )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this step")
     parser.add_argument("--out", default="runs/train")
@@ -96,20 +126,31 @@ def main() -> None:
     dist.init_process_group("gloo")  # "nccl", and the model on the GPU, on GPU machines
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial weights on every rank
-    loader = wdsvlm.Loader(
-        args.data,
-        args.tokenizer or os.path.join(args.data, "tokenizer"),
-        max_length=args.max_length,
-        batch_size=args.batch_size,
-        num_workers=args.workers,
-        tile_size=args.tile_size,
-        max_image_side=args.max_image_side,
-        tokens_per_tile=args.tokens_per_tile,
-    )
-    image_token = loader.tokenize.image_token_id
-    model = nn.parallel.DistributedDataParallel(
-        TinyVLM(len(loader.tokenizer), image_token, args.tile_size, args.tokens_per_tile)
-    )
+    sizes = {"max_length": args.max_length, "batch_size": args.batch_size}
+    if args.model == "tiny":
+        loader = wdsvlm.Loader(
+            args.data,
+            args.tokenizer or os.path.join(args.data, "tokenizer"),
+            **sizes,
+            num_workers=args.workers,
+            tile_size=args.tile_size,
+            max_image_side=args.max_image_side,
+            tokens_per_tile=args.tokens_per_tile,
+        )
+        image_token = loader.tokenize.image_token_id
+        model = nn.parallel.DistributedDataParallel(
+            TinyVLM(len(loader.tokenizer), image_token, args.tile_size, args.tokens_per_tile)
+        )
+    else:
+        from wdsvlm.tiny import tiny_model, tiny_processor
+
+        family = FAMILY_MODELS[args.model]
+        processor = tiny_processor(family)
+        loader = wdsvlm.Loader(args.data, processor=processor, **sizes, num_workers=args.workers)
+        # a batch without images leaves the vision tower out of the graph
+        model = nn.parallel.DistributedDataParallel(
+            FamilyModel(tiny_model(family, processor)), find_unused_parameters=True
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     os.makedirs(args.out, exist_ok=True)
     checkpoint = os.path.join(args.out, f"checkpoint-rank{rank}.pt")

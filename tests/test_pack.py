@@ -114,6 +114,7 @@ def _tokenized(key, parts, image_token=9, per_tile=2):
     return {
         "__key__": key,
         "__shard__": "s",
+        "image_at": [i for i, t in enumerate(ids) if t == 9 and (i == 0 or ids[i - 1] != 9)],
         "input_ids": np.array(ids),
         "num_tokens": len(ids),
         "labels": np.array(labels),
@@ -127,17 +128,17 @@ def test_truncate_cuts_after_the_last_whole_answer_and_drops_later_images():
     from wdsvlm.pack import truncate_at_answer
 
     sample = _tokenized("k", [("q", 3), ("img", 1), ("a", 4), ("q", 2), ("img", 2), ("a", 5)])
-    cut = truncate_at_answer(sample, 14, image_token_id=9, tokens_per_tile=2)
+    cut = truncate_at_answer(sample, 14)
     assert cut["num_tokens"] == 9 and len(cut["input_ids"]) == len(cut["labels"]) == 9
     assert cut["image_tiles"] == [1] and cut["__meta__"]["images"] == [[1, 1]]
     assert "0.jpg" in cut and "1.jpg" not in cut
-    assert truncate_at_answer(sample, 8, image_token_id=9, tokens_per_tile=2) is None
-    whole = truncate_at_answer(sample, 100, image_token_id=9, tokens_per_tile=2)
+    assert truncate_at_answer(sample, 8) is None
+    whole = truncate_at_answer(sample, 100)
     assert whole["num_tokens"] == sample["num_tokens"]
 
 
 def test_pack_stage_truncates_instead_of_dropping_when_asked():
-    stage = Pack(10, truncate=True, image_token_id=9, tokens_per_tile=2)
+    stage = Pack(10, truncate=True)
     long = _tokenized("long", [("q", 2), ("a", 3), ("q", 4), ("a", 4)])  # 13 tokens
     hopeless = _tokenized("hopeless", [("q", 9), ("a", 3)])
     packs = list(stage(iter([long, hopeless])))

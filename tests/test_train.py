@@ -49,3 +49,16 @@ def test_train_ddp_trains_and_resumes_with_the_same_batches(tmp_path):
     after = keys_by_step(resumed)
     assert sorted(after) == [4, 5, 6, 7, 8]
     assert after == {s: k for s, k in keys_by_step(whole).items() if s > 3}
+
+
+@pytest.mark.parametrize("model", ["qwen2_5_vl-tiny"])
+def test_train_ddp_trains_a_transformers_architecture_on_packed_batches(tmp_path, model):
+    log = train(tmp_path / model, "--model", model, "--max-steps", "12", "--workers", "1")
+    losses = [float(x) for x in re.findall(r": loss (\d+\.\d+),", log)]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+    first, last = re.search(
+        r"^trained 12 steps in [\d.]+ s: loss ([\d.]+) -> ([\d.]+)$", log, re.M
+    ).groups()
+    assert float(last) < float(first) and losses[-1] < losses[0]  # it learns
+    fills = [float(x) for x in re.findall(r"fill (\d+\.\d)%", log)]
+    assert fills and min(fills) > 90  # packed

@@ -37,6 +37,8 @@ _LAZY = {
     "Collate": "collate",
     "block_causal_mask": "collate",
     "Loader": "loader",
+    "model_inputs": "processors",
+    "family_of": "processors",
     "LoaderSettings": "settings",
     "ReadPolicy": "storage",
     "ShardCache": "cache",

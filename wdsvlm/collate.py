@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .images import ImageConfig, UnreadableImage, decode_into, uint8_tiles
+from .processors import decode_units, pixel_table
 from .stats import SkipStats
 from .tokenize import IGNORE_INDEX
 
@@ -26,6 +27,11 @@ class Collate:
     Each pack is a list of tokenized samples (``input_ids``, ``labels``, ``image_tiles``, and
     ``pixel_values`` or image members still to decode). A sample whose image fails to decode
     here is left out of its row (counted as ``undecodable_image``); the row pads instead.
+
+    With a model ``family`` (see ``processors.py``) images become the family's uint8 units
+    and the batch gets the family's fields: its name (``family``), the pixel table that
+    ``model_inputs`` normalises with, and for the Qwen family ``image_grid_thw`` and
+    ``position_ids`` ``[4, B, L]``.
     """
 
     def __init__(
@@ -35,8 +41,11 @@ class Collate:
         pad_token_id: int,
         *,
         image_config: ImageConfig | None = None,
+        family: Any = None,
         stats: SkipStats | None = None,
     ):
+        self.family = family
+        self._table = None if family is None else pixel_table(family.image_processor)
         self.max_length = max_length
         self.batch_size = batch_size
         self.pad_token_id = pad_token_id
@@ -49,7 +58,8 @@ class Collate:
         rows = [list(pack) for pack in packs] + [[]] * (self.batch_size - len(packs))
         samples = [s for row in rows for s in row]
         counts = [sum(s["image_tiles"]) for s in samples]
-        pixels = uint8_tiles(sum(counts), self.image_config.tile_size)
+        side = self.image_config.tile_size if self.family is None else self.family.unit_size
+        pixels = uint8_tiles(sum(counts), side)
         failed, start = [], 0
         for sample, n in zip(samples, counts, strict=True):
             if n:
@@ -63,11 +73,22 @@ class Collate:
             pixels = _without(pixels, [(a, n) for _, a, n in failed])
             gone = {id(s) for s, _, _ in failed}
             rows = [[s for s in row if id(s) not in gone] for row in rows]
-        return collate_rows(rows, self.max_length, self.pad_token_id, pixels)
+        batch = collate_rows(rows, self.max_length, self.pad_token_id, pixels)
+        family = self.family
+        if family is not None:
+            batch["family"] = family.name
+            batch["pixel_table"] = self._table
+            batch.update(family.batch_fields([s for row in rows for s in row]))
+            if hasattr(family, "position_rows"):
+                text = batch["position_ids"].numpy()
+                batch["position_ids"] = torch.from_numpy(family.position_rows(rows, text))
+        return batch
 
     def _fill(self, sample: dict, out: torch.Tensor) -> None:
         if "pixel_values" in sample:
             out.copy_(torch.as_tensor(sample["pixel_values"]))
+        elif self.family is not None:
+            decode_units(sample, self.family, out)
         else:  # decoded straight into the batch's tensor
             decode_into(sample, self.image_config, out)
 

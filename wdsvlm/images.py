@@ -14,7 +14,7 @@ import io
 import math
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -170,6 +170,37 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
+def open_image(
+    data: bytes,
+    expected_size: Sequence[int] | None = None,
+    draft: Callable[[int, int], tuple[int, int]] | None = None,
+) -> Image.Image:
+    """Decode one image as displayed: RGB, EXIF orientation applied.
+
+    ``expected_size`` is the displayed size the index recorded; an image of another size is
+    refused (``ImageSizeMismatch``), since the tokens planned for it would not match.
+    ``draft(width, height)``, if given, returns the displayed size the image will be resized
+    to; a JPEG is then decoded at reduced size (PIL draft mode) when that is at most half
+    the source.
+    """
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = _displayed_size(img)
+            if expected_size is not None and (width, height) != tuple(expected_size):
+                raise ImageSizeMismatch(
+                    f"decodes to {width}x{height}, the index says "
+                    f"{expected_size[0]}x{expected_size[1]}"
+                )
+            if draft is not None and img.format == "JPEG":
+                target = draft(width, height)
+                img.draft("RGB", target if img.size == (width, height) else target[::-1])
+            return to_rgb(ImageOps.exif_transpose(img))
+    except UnreadableImage:
+        raise
+    except _BAD_IMAGE as e:
+        raise UnreadableImage(str(e) or type(e).__name__) from e
+
+
 def image_tiles(
     data: bytes,
     config: ImageConfig,
@@ -187,34 +218,26 @@ def image_tiles(
     import torch  # here, not at the top: the writer uses this module and needs no torch
 
     tile = config.tile_size
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            width, height = _displayed_size(img)
-            if expected_size is not None and (width, height) != tuple(expected_size):
-                raise ImageSizeMismatch(
-                    f"decodes to {width}x{height}, the index says "
-                    f"{expected_size[0]}x{expected_size[1]}"
-                )
-            cols, rows = tile_grid(width, height, config)
-            target = (cols * tile, rows * tile)
-            stored_target = target if img.size == (width, height) else target[::-1]
-            if img.format == "JPEG":
-                img.draft("RGB", stored_target)  # only reduces when target <= half the source
-            img = to_rgb(ImageOps.exif_transpose(img))
-            with warnings.catch_warnings():  # read-only buffer: nothing below writes to it
-                warnings.simplefilter("ignore", UserWarning)
-                pixels = torch.frombuffer(img.tobytes(), dtype=torch.uint8)
-            pixels = pixels.view(img.height, img.width, 3)
-    except UnreadableImage:
-        raise
-    except _BAD_IMAGE as e:
-        raise UnreadableImage(str(e) or type(e).__name__) from e
+    shape: list[int] = []  # (columns, rows), known once the size is
+
+    def target(width: int, height: int) -> tuple[int, int]:
+        shape[:] = tile_grid(width, height, config)
+        return shape[0] * tile, shape[1] * tile
+
+    img = open_image(data, expected_size, draft=target)
+    cols, rows = shape or tile_grid(*img.size, config)
+    with warnings.catch_warnings():  # read-only buffer: nothing below writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        pixels = torch.frombuffer(img.tobytes(), dtype=torch.uint8)
+    pixels = pixels.view(img.height, img.width, 3)
+    target_size = (cols * tile, rows * tile)
     n_tiles = rows * cols + (rows * cols > 1)
     if out is None:
         out = torch.empty((n_tiles, 3, tile, tile), dtype=torch.uint8)
     elif tuple(out.shape) != (n_tiles, 3, tile, tile):
         raise ValueError(f"out has shape {tuple(out.shape)}, the image needs {n_tiles} tiles")
-    grid = _resize(pixels.permute(2, 0, 1).unsqueeze(0), target[1], target[0])  # [1, 3, H, W]
+    # [1, 3, H, W]
+    grid = _resize(pixels.permute(2, 0, 1).unsqueeze(0), target_size[1], target_size[0])
     tiles = grid[0].view(3, rows, tile, cols, tile).permute(1, 3, 0, 2, 4)
     if n_tiles > 1:
         out[0] = _resize(grid, tile, tile)[0]

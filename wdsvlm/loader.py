@@ -25,9 +25,10 @@ from typing import Any
 from .cache import ShardCache
 from .collate import Collate
 from .errors import WdsvlmError
-from .images import ImageConfig, tile_count
+from .images import ImageConfig
 from .pack import BalanceBatches, Pack, tiles_cv
 from .plan import Plan, WorkerConfig
+from .processors import family_of
 from .read import ReadSamples
 from .settings import (
     STATE_VERSION,
@@ -65,7 +66,12 @@ class Loader:
     """Packed, fixed-shape batches ``[batch_size, max_length]`` from a wdsvlm dataset.
 
     ``source``: a dataset folder or URL (``s3://``, ``gs://``, ...) or brace-expanded tar URLs.
-    ``tokenizer``: a Hugging Face tokenizer, or a name/path for ``AutoTokenizer``.
+    ``tokenizer``: a Hugging Face tokenizer, or a name/path for ``AutoTokenizer``; or instead
+    ``processor``: a Hugging Face processor of a supported model family (Qwen2/2.5/3-VL,
+    SmolVLM, Idefics3), whose image sizes, image tokens and chat template are then used, and
+    whose batches ``wdsvlm.model_inputs`` turns into the model's forward arguments. With a
+    processor, ``max_tiles_per_pack`` is the vision budget in the family's units (patches
+    for the Qwen family, tiles for SmolVLM).
     ``storage_options`` go to fsspec; ``read_policy`` (``wdsvlm.ReadPolicy``) sets the block
     size, retries, backoff and timeout of ranged reads, ``read_ahead`` how many spans each
     worker reads ahead, and ``on_shard_error="skip"`` reports an unreadable shard's samples as
@@ -92,8 +98,17 @@ class Loader:
     ``stats()`` reports fill, samples per pack, drops and skipped samples so far.
     """
 
-    def __init__(self, source: str | Sequence[str], tokenizer: Any, **settings: Any):
+    def __init__(self, source: str | Sequence[str], tokenizer: Any = None, **settings: Any):
         self.settings = settings = settings_from(settings)
+        if (tokenizer is None) == (settings.processor is None):
+            raise TypeError(
+                "Loader needs a tokenizer (the default tiling) or processor= (a model family's "
+                "Hugging Face processor), not both"
+                if tokenizer is not None
+                else "Loader needs a tokenizer (the default tiling) or processor= (a model "
+                "family's Hugging Face processor)"
+            )
+        self.family = None if settings.processor is None else family_of(settings.processor)
         environment = WorkerConfig.from_environment(settings.num_workers)
         self.worker_config = WorkerConfig(
             environment.rank if settings.rank is None else settings.rank,
@@ -122,6 +137,7 @@ class Loader:
             )
         self.tokenize = Tokenize(
             tokenizer,
+            family=self.family,
             tokens_per_tile=settings.tokens_per_tile,
             image_config=self.image_config,
             image_token=settings.image_token,
@@ -141,8 +157,15 @@ class Loader:
             context = check_context(settings.multiprocessing_context)
             check_main_guarded(context)  # before a fork server starts, not in each worker
             self.dataloader_options["prefetch_factor"] = settings.prefetch_factor or 2
+            preload = [type(tok).__module__]
+            if self.family is not None:  # the family's module and the processor's classes
+                preload += [
+                    type(self.family).__module__,
+                    type(self.family.processor).__module__,
+                    type(self.family.image_processor).__module__,
+                ]
             self.dataloader_options["multiprocessing_context"] = worker_context(
-                context, (type(tok).__module__,)
+                context, tuple(preload)
             )
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_token_id = 0 if pad is None else pad
@@ -152,8 +175,6 @@ class Loader:
             max_tiles_per_pack=self.max_tiles_per_pack,
             window=settings.pack_window,
             truncate=settings.truncate,
-            image_token_id=self.tokenize.image_token_id,
-            tokens_per_tile=settings.tokens_per_tile,
         )
         self.balance = BalanceBatches(settings.batch_size)
         # a multiple of the workers, so that each gives the same number of batches an epoch
@@ -182,6 +203,7 @@ class Loader:
                 settings.batch_size,
                 self.pad_token_id,
                 image_config=self.image_config,
+                family=self.family,
                 stats=self._skips,
             ),
             self._skips,
@@ -268,12 +290,12 @@ class Loader:
         the end of a pass. Every rank computes the same number."""
         entries = [e for shard in self.plan.index["shards"] for e in shard["entries"]]
         per_text_token = self._characters_per_token(entries[:: max(1, len(entries) // 32)])
-        per_tile = self.tokenize.tokens_per_tile
         tile_budget = self.max_tiles_per_pack or 0
         tokens = tiles = 0.0
         for entry in entries:
-            n_tiles = sum(tile_count(w, h, self.image_config) for w, h in entry.get("images", []))
-            n_tokens = n_tiles * per_tile + sum(entry.get("chars", [])) / per_text_token
+            images = [self.tokenize.image_numbers(w, h) for w, h in entry.get("images", [])]
+            n_tiles = sum(units for units, _ in images)
+            n_tokens = sum(t for _, t in images) + sum(entry.get("chars", [])) / per_text_token
             if tile_budget and n_tiles > tile_budget:
                 continue  # dropped: more tiles than a pack holds
             if n_tokens > self.max_length:
@@ -322,7 +344,8 @@ class Loader:
         tokenize.stats = quiet
         chars = text = 0
         for sample in tokenize.encode(samples):
-            image_tokens = sum(sample["image_tiles"]) * tokenize.tokens_per_tile
+            sizes = sample["__meta__"].get("images", [])
+            image_tokens = sum(tokenize.image_numbers(w, h)[1] for w, h in sizes)
             chars += sum(sample["__meta__"].get("chars", []))
             text += sample["num_tokens"] - image_tokens
         return chars / text if chars and text else 3.5

@@ -211,12 +211,11 @@ class Packer:
         return [waiting[i][0] for i in chosen]
 
 
-def truncate_at_answer(
-    sample: dict, max_length: int, image_token_id: int, tokens_per_tile: int
-) -> dict | None:
+def truncate_at_answer(sample: dict, max_length: int) -> dict | None:
     """The sample cut after its last whole answer (with its end-of-turn token) that fits in
     ``max_length``, dropping the images whose tokens fall after the cut; None when not even
-    the first answer fits. The cut is at the end of an answer, so never inside an image run.
+    the first answer fits. The cut is at the end of an answer, so never inside an image's
+    tokens; ``image_at`` (set by ``Tokenize``) says where each image's tokens start.
     """
     from .images import image_members
     from .tokenize import IGNORE_INDEX
@@ -227,16 +226,13 @@ def truncate_at_answer(
     if len(ends) == 0:
         return None
     cut = int(ends[-1])
-    image_tokens = int((sample["input_ids"][:cut] == image_token_id).sum())
-    kept, total = 0, 0
-    while kept < len(sample["image_tiles"]) and total < image_tokens:
-        total += sample["image_tiles"][kept] * tokens_per_tile
-        kept += 1
+    kept = sum(1 for at in sample["image_at"] if at < cut)
     out = {k: v for k, v in sample.items() if k not in image_members(sample)[kept:]}
     out["input_ids"] = sample["input_ids"][:cut]
     out["labels"] = sample["labels"][:cut]
     out["num_tokens"] = cut
     out["image_tiles"] = list(sample["image_tiles"][:kept])
+    out["image_at"] = list(sample["image_at"][:kept])
     if "__meta__" in sample:
         out["__meta__"] = {**sample["__meta__"], "images": sample["__meta__"]["images"][:kept]}
     if "pixel_values" in sample:
@@ -254,8 +250,7 @@ class Pack:
     dropped and counted (``too_many_tokens``, ``too_many_tiles``, in ``pack_stats`` with its
     key): a drop is good data outside the budgets, not a failure, so it is not "skipped".
     With ``truncate=True`` a sample that is only too long is cut after its last whole answer
-    that fits instead (``truncate_at_answer``; counted in ``pack_stats.truncated``), which
-    needs ``image_token_id`` and ``tokens_per_tile``.
+    that fits instead (``truncate_at_answer``; counted in ``pack_stats.truncated``).
     """
 
     def __init__(
@@ -265,14 +260,8 @@ class Pack:
         max_tiles_per_pack: int | None = None,
         window: int = 500,
         truncate: bool = False,
-        image_token_id: int | None = None,
-        tokens_per_tile: int | None = None,
     ):
-        if truncate and (image_token_id is None or tokens_per_tile is None):
-            raise ValueError("truncate=True needs image_token_id and tokens_per_tile")
         self.truncate = truncate
-        self.image_token_id = image_token_id
-        self.tokens_per_tile = tokens_per_tile
         self.max_length = max_length
         self.max_tiles_per_pack = max_tiles_per_pack
         self.window = window
@@ -329,9 +318,7 @@ class Pack:
         tokens, tiles = sample["num_tokens"], sum(sample["image_tiles"])
         reason = limits.oversized(tokens, tiles)
         if reason == "too_many_tokens" and self.truncate:
-            cut = truncate_at_answer(
-                sample, self.max_length, self.image_token_id, self.tokens_per_tile
-            )
+            cut = truncate_at_answer(sample, self.max_length)
             if cut is not None:
                 self.pack_stats.truncated += 1
                 sample, tokens, tiles = cut, cut["num_tokens"], sum(cut["image_tiles"])

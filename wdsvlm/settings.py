@@ -68,6 +68,10 @@ class LoaderSettings:
     """The image token; None: the tokenizer's own, else ``<image>``."""
     chat_template: str | None = _shapes(None)
     """A Jinja chat template; None: the tokenizer's own, else ChatML."""
+    processor: Any = field(default=None, hash=False, compare=False)
+    """A Hugging Face processor (object, or name/path for ``AutoProcessor``) of a supported
+    family: its images, tokens and chat template replace the default tiling (checked on
+    resume through its fingerprint)."""
     storage_options: Mapping[str, Any] | None = field(default=None, hash=False)
     """fsspec options for bucket URLs (never saved in a state: they may hold credentials)."""
     read_policy: ReadPolicy | None = None

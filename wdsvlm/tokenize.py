@@ -3,10 +3,15 @@
 The conversation is rendered with the tokenizer's chat template (ChatML when it has none) and
 encoded in batches. Labels follow the Hugging Face convention (aligned with ``input_ids``; the
 model shifts): only the assistant answers and the end-of-turn token right after each are
-supervised, everything else is -100. Each ``<image>`` marker becomes
-``tokens_per_tile * tiles`` image tokens, where the tile count comes from the decoded image or,
-before decoding, from the image size in the index: so a sample's token count is known before
-any pixel is decoded, which is what packing on metadata needs.
+supervised, everything else is -100. Each ``<image>`` marker becomes ``tokens_per_tile * tiles``
+image tokens, where the tile count comes from the decoded image or, before decoding, from the
+image size in the index: so a sample's token count is known before any pixel is decoded, which
+is what packing on metadata needs.
+
+With a model family (``processor=``, see ``processors.py``) the conversation is rendered with
+the processor's chat template as content lists (each ``<image>`` marker an image item), and
+each image's placeholder token becomes the token ids the processor would put there for an
+image of that size.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import jinja2
 import numpy as np
 
 from .errors import TemplateError
-from .images import ImageConfig, tile_count
+from .images import ImageConfig, UnreadableImage, image_members, image_size, tile_count
 from .inputs import IMAGE_MARKER
+from .processors import conversation
 from .stats import SkipStats
 
 log = logging.getLogger("wdsvlm.tokenize")
@@ -78,6 +84,10 @@ class Tokenize:
     token is ``image_token``, else the tokenizer's own ``image_token``, else ``<image>``; when
     the vocabulary lacks it, it is added as a special token to a copy of the tokenizer (logged
     with its id: resize the model's embeddings to ``len(stage.tokenizer)``).
+    ``family`` (``processors.family_of(processor)``) replaces all of that by the family's
+    tokenizer, chat template and image tokens; ``image_tiles`` then holds each image's vision
+    units (patches or tiles). Every sample also gets ``image_at``: where each image's tokens
+    start.
     Skips, counted: ``invalid_json``, ``image_count_mismatch``, ``template_error`` (the
     template refused the conversation), ``template_mismatch`` (an answer is not rendered
     verbatim, so its labels cannot be found). A template that does not compile is refused
@@ -86,8 +96,9 @@ class Tokenize:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Any = None,
         *,
+        family: Any = None,
         tokens_per_tile: int = 64,
         image_config: ImageConfig | None = None,
         image_token: str | None = None,
@@ -100,9 +111,22 @@ class Tokenize:
                 f"tokens_per_tile ({tokens_per_tile}) and batch_size ({batch_size}) "
                 "must be positive"
             )
-        tok = load_tokenizer(tokenizer)
-        self.image_token = image_token or getattr(tok, "image_token", None) or IMAGE_MARKER
+        self.family = family
+        if family is not None:
+            tok = family.tokenizer
+            self.image_token = family.placeholder
+            chat_template = chat_template or family.processor.chat_template
+        elif tokenizer is None:
+            raise ValueError("Tokenize needs a tokenizer (or a model family)")
+        else:
+            tok = load_tokenizer(tokenizer)
+            self.image_token = image_token or getattr(tok, "image_token", None) or IMAGE_MARKER
         if len(tok.encode(self.image_token, add_special_tokens=False)) != 1:
+            if family is not None:
+                raise ValueError(
+                    f"the {family.name} processor's image token {self.image_token!r} is not "
+                    "one token of its tokenizer"
+                )
             tok = copy.deepcopy(tok)
             tok.add_tokens([self.image_token], special_tokens=True)
             log.warning(
@@ -134,6 +158,9 @@ class Tokenize:
 
         tok = self.tokenizer
         facts = [sorted(tok.get_vocab().items()), sorted(tok.all_special_tokens)]
+        if self.family is not None:  # and the processor's image settings
+            image = self.family.image_processor.to_dict()
+            facts += [self.family.name, json.dumps(image, sort_keys=True, default=str)]
         return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
 
     def render(self, messages: list[dict], where: str = "a conversation") -> str:
@@ -167,26 +194,55 @@ class Tokenize:
         if batch:
             yield from self._encode(batch)
 
-    def tiles_of(self, sample: dict) -> list[int]:
-        """Tiles per image: as decoded, or as the index sizes say they will be."""
-        if "image_tiles" in sample:
-            return list(sample["image_tiles"])
+    def sizes_of(self, sample: dict) -> list[tuple[int, int]]:
+        """Displayed sizes of the sample's images: from its index entry, else from the image
+        headers (no decode)."""
         sizes = sample.get("__meta__", {}).get("images")
         if sizes is None:
-            raise ValueError(
-                f"{sample.get('__key__')}: no image sizes (no index entry, and "
-                "images not decoded): put DecodeImages before Tokenize"
-            )
-        return [tile_count(w, h, self.image_config) for w, h in sizes]
+            sizes = [image_size(sample[name]) for name in image_members(sample)]
+            sample.setdefault("__meta__", {})["images"] = [list(s) for s in sizes]
+        return [tuple(s) for s in sizes]
+
+    def tiles_of(self, sample: dict) -> list[int]:
+        """Vision units per image (tiles, or the family's patches or tiles): as decoded, or as
+        the image sizes say they will be."""
+        if self.family is not None:
+            return [self.family.image_cost(w, h) for w, h in self.sizes_of(sample)]
+        if "image_tiles" in sample:
+            return list(sample["image_tiles"])
+        return [tile_count(w, h, self.image_config) for w, h in self.sizes_of(sample)]
+
+    def image_numbers(self, width: int, height: int) -> tuple[int, int]:
+        """``(vision units, tokens)`` of an image displayed at ``width x height``."""
+        if self.family is not None:
+            ids = self.family.image_token_ids(width, height)
+            return self.family.image_cost(width, height), len(ids)
+        tiles = tile_count(width, height, self.image_config)
+        return tiles, tiles * self.tokens_per_tile
+
+    def _image_ids(self, sample: dict, tiles: list[int]) -> list[np.ndarray]:
+        """The token ids that replace each image's one image token."""
+        if self.family is not None:
+            return [self.family.image_token_ids(w, h) for w, h in self.sizes_of(sample)]
+        return [np.full(n * self.tokens_per_tile, self.image_token_id) for n in tiles]
 
     def _prepare(self, sample: dict) -> tuple[str, list[tuple[int, int]], list[int]] | None:
         try:
             messages = json.loads(sample["json"])["messages"]
             messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+            if not all(isinstance(m["content"], str) for m in messages):
+                raise TypeError("message content must be a string")
         except (KeyError, TypeError, ValueError) as e:
             self.stats.skip("tokenize", "invalid_json", sample, f"{type(e).__name__}: {e}")
             return None
-        tiles = self.tiles_of(sample)
+        try:
+            tiles = self.tiles_of(sample)
+        except UnreadableImage as e:  # no index sizes, and an image header is unreadable
+            self.stats.skip("tokenize", "undecodable_image", sample, str(e))
+            return None
+        except ValueError as e:  # an image the family refuses (say, an extreme aspect ratio)
+            self.stats.skip("tokenize", "unusable_image", sample, str(e))
+            return None
         markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
         if markers != len(tiles):
             self.stats.skip(
@@ -196,7 +252,9 @@ class Tokenize:
                 f"{markers} {IMAGE_MARKER} markers but {len(tiles)} images",
             )
             return None
-        if self.image_token != IMAGE_MARKER:
+        if self.family is not None:
+            messages = conversation(messages)
+        elif self.image_token != IMAGE_MARKER:
             for m in messages:
                 m["content"] = m["content"].replace(IMAGE_MARKER, self.image_token)
         try:
@@ -218,15 +276,28 @@ class Tokenize:
         """
         ranges, pos = [], 0
         for n, m in enumerate(messages, start=1):
-            at = text.find(m["content"], pos)
-            if at < 0:
+            content = m["content"]
+            texts = (
+                [content]
+                if isinstance(content, str)
+                else [i["text"] for i in content if i.get("type") == "text"]
+            )
+            found, at, end = True, -1, pos
+            for piece in texts:
+                where = text.find(piece, end)
+                if where < 0:
+                    found = False
+                    break
+                at = where if at < 0 else at
+                end = where + len(piece)
+            if not found or at < 0:
                 if m["role"] == "assistant":
                     raise TemplateError(
                         f"the chat template does not render assistant turn {n} "
                         "verbatim, so its tokens cannot be found for the labels"
                     )
                 continue  # e.g. a template that drops system turns
-            end = pos = at + len(m["content"])
+            pos = end
             if m["role"] == "assistant":
                 after = end + len(text[end:]) - len(text[end:].lstrip(" "))
                 eot = next((s for s in self._specials if text.startswith(s, after)), None)
@@ -250,26 +321,23 @@ class Tokenize:
             for a, b in ranges:
                 supervised |= (offsets[:, 1] > a) & (offsets[:, 0] < b)
             labels = np.where(supervised, ids, IGNORE_INDEX)
-            is_image = ids == self.image_token_id
-            if is_image.sum() != len(tiles):
+            places = np.flatnonzero(ids == self.image_token_id)
+            if len(places) != len(tiles):
                 self.stats.skip(
                     "tokenize",
                     "image_count_mismatch",
                     sample,
-                    f"{int(is_image.sum())} image tokens after templating, {len(tiles)} images",
+                    f"{len(places)} image tokens after templating, {len(tiles)} images",
                 )
                 continue
-            repeats = np.ones(len(ids), dtype=np.int64)
-            repeats[is_image] = np.asarray(tiles, dtype=np.int64) * self.tokens_per_tile
-            ids = np.repeat(ids, repeats)
-            labels = np.repeat(labels, repeats)
-            labels[ids == self.image_token_id] = IGNORE_INDEX
+            ids, labels, image_at = _expand(ids, labels, places, self._image_ids(sample, tiles))
             self.stats.ok("tokenize")
             del sample["json"]
             sample["input_ids"] = ids
             sample["labels"] = labels
             sample["num_tokens"] = len(ids)
             sample["image_tiles"] = tiles
+            sample["image_at"] = image_at
             yield sample
         if track:
             self._rest = []
@@ -281,3 +349,27 @@ class Tokenize:
     def held(self) -> list[dict]:
         """The samples taken in and not yet yielded (the rest of the batch being encoded)."""
         return list(getattr(self, "_rest", []))
+
+
+def _expand(
+    ids: np.ndarray, labels: np.ndarray, places: np.ndarray, images: list[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """``ids`` and ``labels`` with the image token at each of ``places`` replaced by that
+    image's ids (labelled -100), and where each image's ids start."""
+    if not len(places):
+        return ids, labels, []
+    pieces, marks, image_at, at, length = [], [], [], 0, 0
+    for place, image in zip(places, images, strict=True):
+        pieces += [ids[at:place], image]
+        marks += [labels[at:place], np.full(len(image), IGNORE_INDEX)]
+        length += place - at
+        image_at.append(int(length))
+        length += len(image)
+        at = place + 1
+    pieces.append(ids[at:])
+    marks.append(labels[at:])
+    return (
+        np.concatenate(pieces).astype(np.int64, copy=False),
+        np.concatenate(marks).astype(np.int64, copy=False),
+        image_at,
+    )

@@ -1,0 +1,200 @@
+"""Model families through the Loader, proven against transformers' own processors and models.
+
+Each family's tiny processor and randomly initialised model are built offline
+(``wdsvlm.tiny``). A packed batch of ``shards_example`` must hold, for every sample, exactly
+the ``input_ids`` and pixels that the processor makes of that sample alone, and the model must
+give on the sample's tokens of the packed row the logits of the sample run alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+
+import pytest
+import torch
+
+import wdsvlm
+import wdsvlm.qwen
+from wdsvlm.images import image_members, open_image
+from wdsvlm.processors import conversation, normalise
+from wdsvlm.tiny import tiny_model, tiny_processor
+from wdsvlm.tokenize import IGNORE_INDEX
+
+from .conftest import EXAMPLE
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
+def dataset_samples(root: str) -> dict[str, dict]:
+    """``"SHARD/KEY"`` -> the sample's members, read straight from the tars."""
+    index = json.load(open(os.path.join(root, "index.json")))
+    out: dict[str, dict] = {}
+    for shard in index["shards"]:
+        with tarfile.open(os.path.join(root, shard["name"])) as tar:
+            for member in tar:
+                key, _, suffix = member.name.partition(".")
+                sample = out.setdefault(f"{shard['name']}/{key}", {})
+                sample[suffix] = tar.extractfile(member).read()
+    return out
+
+
+def alone(processor, sample: dict) -> dict:
+    """What the processor makes of one stored sample, as a user would call it."""
+    messages = json.loads(sample["json"])["messages"]
+    conv = conversation(messages)
+    text = processor.apply_chat_template(conv, tokenize=False)
+    images = [open_image(sample[name]) for name in image_members(sample)]
+    return processor(text=[text], images=[images] if images else None, return_tensors="pt")
+
+
+@pytest.fixture(scope="module")
+def samples():
+    return dataset_samples(EXAMPLE)
+
+
+def _batches(processor, n: int, **settings):
+    loader = wdsvlm.Loader(
+        EXAMPLE,
+        processor=processor,
+        max_length=settings.pop("max_length", 512),
+        batch_size=2,
+        shuffle_buffer=8,
+        pack_window=32,
+        **settings,
+    )
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+def _spans(batch):
+    """(row, start, stop, key) of every packed sample."""
+    for r, keys in enumerate(batch["sample_keys"]):
+        text = batch["position_ids"][0] if batch["position_ids"].ndim == 3 else None
+        positions = (text if text is not None else batch["position_ids"])[r]
+        starts = torch.nonzero(positions == 0).flatten().tolist()
+        for key, start, stop in zip(keys, starts, [*starts[1:], len(positions)], strict=False):
+            yield r, start, stop, key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_batch_holds_what_the_processor_makes_of_each_sample(family, samples):
+    processor = tiny_processor(family)
+    (batch,) = _batches(processor, 1)
+    inputs = wdsvlm.model_inputs(batch)
+    assert "attention_mask" not in inputs and inputs["use_cache"] is False
+    n_packed = 0
+    pixel_at = 0
+    units = normalise(batch["pixel_values"], batch["pixel_table"])
+    for r, start, stop, key in _spans(batch):
+        ref = alone(processor, samples[key])
+        ids = batch["input_ids"][r, start:stop]
+        assert torch.equal(ids, ref["input_ids"][0]), key
+        labels = batch["labels"][r, start:stop]
+        assert labels[0] == IGNORE_INDEX
+        assert torch.equal(labels[labels != IGNORE_INDEX], ids[labels != IGNORE_INDEX])
+        # the supervised tokens are the answers and their end-of-turn tokens
+        answers = [
+            m["content"]
+            for m in json.loads(samples[key]["json"])["messages"]
+            if m["role"] == "assistant"
+        ]
+        decoded = processor.tokenizer.decode(ids[labels != IGNORE_INDEX])
+        for answer in answers:
+            assert answer in decoded
+        if "pixel_values" in ref:
+            expected = reference_pixels(family, ref)
+            mine = as_model_takes(family, batch, units[pixel_at : pixel_at + len(expected)])
+            assert torch.equal(mine, expected), key
+            pixel_at += len(expected)
+        n_packed += 1
+    assert n_packed > 2  # packing happened
+    assert pixel_at == len(units)
+
+
+def reference_pixels(family: str, ref) -> torch.Tensor:
+    """The processor's pixels of one sample, one row per vision unit (patch or tile)."""
+    if family.startswith("qwen"):
+        return ref["pixel_values"]  # [patches, 3 * T * P * P]
+    return ref["pixel_values"][0]  # [tiles, 3, S, S]: one sample, no padding images
+
+
+def as_model_takes(family: str, batch, units: torch.Tensor) -> torch.Tensor:
+    if family.startswith("qwen"):
+        return wdsvlm.qwen.QwenFamily.model_fields(batch, units)["pixel_values"]
+    return units
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_logits_equal_each_sample_alone(family, samples):
+    processor = tiny_processor(family)
+    model = tiny_model(family, processor).eval()
+    (batch,) = _batches(processor, 1)
+    with torch.no_grad():
+        packed = model(**wdsvlm.model_inputs(batch)).logits
+        checked = 0
+        for r, start, stop, key in _spans(batch):
+            ref = alone(processor, samples[key])
+            logits = model(**ref, use_cache=False).logits[0]
+            assert logits.shape[0] == stop - start
+            torch.testing.assert_close(packed[r, start:stop], logits, rtol=0, atol=1e-5)
+            checked += 1
+    assert checked > 2
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_mrope_rows_equal_get_rope_index_of_each_sample_alone(family, samples):
+    processor = tiny_processor(family)
+    model = tiny_model(family, processor)
+    (batch,) = _batches(processor, 1)
+    assert batch["position_ids"].shape == (4, *batch["input_ids"].shape)
+    checked = 0
+    for r, start, stop, key in _spans(batch):
+        ref = alone(processor, samples[key])
+        if "image_grid_thw" not in ref:
+            continue
+        expected, _ = model.model.get_rope_index(
+            ref["input_ids"],
+            mm_token_type_ids=ref["mm_token_type_ids"],
+            image_grid_thw=ref["image_grid_thw"],
+        )
+        assert torch.equal(batch["position_ids"][1:, r, start:stop], expected[:, 0]), key
+        assert torch.equal(batch["position_ids"][0, r, start:stop], torch.arange(stop - start))
+        checked += 1
+    assert checked > 0
+
+
+def test_a_processor_of_another_family_is_refused_naming_the_supported_ones():
+    class LlavaProcessor:
+        pass
+
+    with pytest.raises(ValueError, match="Qwen2VLProcessor.*SmolVLMProcessor"):
+        wdsvlm.family_of(LlavaProcessor())
+    with pytest.raises(TypeError, match="tokenizer.*or processor="):
+        wdsvlm.Loader(EXAMPLE)
+
+
+def test_model_inputs_refuses_a_batch_of_the_default_tiling():
+    loader = wdsvlm.Loader(
+        EXAMPLE,
+        os.path.join(EXAMPLE, "tokenizer"),
+        max_length=512,
+        batch_size=1,
+        tile_size=128,
+        max_image_side=256,
+        tokens_per_tile=16,
+    )
+    with pytest.raises(ValueError, match="processor="):
+        wdsvlm.model_inputs(next(iter(loader)))
+
+
+def test_vision_budget_bounds_the_patches_of_every_pack():
+    processor = tiny_processor("qwen2_vl")
+    merge = processor.image_processor.merge_size
+    budget = 150
+    batches = _batches(processor, 3, max_tiles_per_pack=budget)
+    for batch in batches:
+        patches = (batch["input_ids"] == processor.image_token_id).sum(-1) * merge**2
+        assert int(patches.max()) <= budget
+        assert int(batch["image_grid_thw"].prod(-1).sum()) == int(patches.sum())

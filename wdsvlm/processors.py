@@ -1,0 +1,184 @@
+"""Model families: a Hugging Face processor decides how images become tokens and pixels.
+
+Pass ``processor=`` to the Loader and its family's conventions replace the default tiling:
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``qwen.py``: dynamic resolution, flattened patches, mRoPE
+positions) and SmolVLM / Idefics3 (``smolvlm.py``: tiles and a global image). Every number
+(sizes, patch and merge sizes, tokens per image, resample, mean and std, the chat template,
+the special tokens) is read from the processor object, never from a model's defaults.
+
+A family answers, from an image's size alone, how many image tokens it becomes (the ids that
+replace its placeholder) and how many vision units it costs (patches or tiles: the vision
+budget of a pack), so packing stays on index metadata. At decode time it writes the image as
+compact uint8 units ``[cost, 3, S, S]`` (before rescale and normalisation); ``model_inputs``
+normalises them on the device through a 256-entry table per channel made by the processor's
+own rescale and normalise, which is exact because both are per-pixel.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import import_module
+from typing import Any
+
+import numpy as np
+
+from .images import image_members, open_image
+from .inputs import IMAGE_MARKER
+
+# processor class -> (module, family class); checked along the processor's class hierarchy
+SUPPORTED = {
+    "Qwen2VLProcessor": ("qwen", "QwenFamily"),
+    "Qwen2_5_VLProcessor": ("qwen", "QwenFamily"),
+    "Qwen3VLProcessor": ("qwen", "QwenFamily"),
+    "SmolVLMProcessor": ("smolvlm", "SmolVLMFamily"),
+    "Idefics3Processor": ("smolvlm", "SmolVLMFamily"),
+}
+# batch["family"] -> (module, family class), for model_inputs
+_BY_NAME = {
+    "qwen2_vl": ("qwen", "QwenFamily"),
+    "qwen2_5_vl": ("qwen", "QwenFamily"),
+    "qwen3_vl": ("qwen", "QwenFamily"),
+    "smolvlm": ("smolvlm", "SmolVLMFamily"),
+    "idefics3": ("smolvlm", "SmolVLMFamily"),
+}
+
+
+def load_processor(processor: Any) -> Any:
+    """A Hugging Face processor object as is, or one loaded by name or path."""
+    if not isinstance(processor, (str, os.PathLike)):
+        return processor
+    from transformers import AutoProcessor
+
+    name = str(processor)
+    try:
+        return AutoProcessor.from_pretrained(name)
+    except (OSError, ValueError, ImportError) as e:
+        raise ValueError(f"cannot load the processor {name!r}: {e}") from None
+
+
+def _family_class(module: str, name: str) -> type:
+    return getattr(import_module(f".{module}", __package__), name)
+
+
+def family_of(processor: Any):
+    """The family object for a processor (object, name or path); an unsupported one is
+    refused, listing the supported processor classes."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise ValueError(
+            f"processor= needs transformers 5 or later (this is {transformers.__version__}): "
+            "pip install -U transformers"
+        )
+    processor = load_processor(processor)
+    for cls in type(processor).__mro__:
+        if cls.__name__ in SUPPORTED:
+            return _family_class(*SUPPORTED[cls.__name__])(processor)
+    raise ValueError(
+        f"wdsvlm does not support the processor {type(processor).__name__}: supported are "
+        f"{', '.join(SUPPORTED)} (or pass tokenizer= for the default tiling)"
+    )
+
+
+def content_items(text: str) -> list[dict]:
+    """A stored message's content as a content list: each ``<image>`` marker an image item at
+    its place, the text around it text items; a newline right after a marker is dropped
+    (the marker stood on a line of its own)."""
+    items: list[dict] = []
+    parts = text.split(IMAGE_MARKER)
+    for n, part in enumerate(parts):
+        if n > 0:
+            items.append({"type": "image"})
+            if part.startswith("\n"):
+                part = part[1:]
+        if part:
+            items.append({"type": "text", "text": part})
+    return items
+
+
+def conversation(messages: list[dict]) -> list[dict]:
+    """Stored messages (string content with ``<image>`` markers) as the content lists that
+    processors' chat templates take."""
+    return [{"role": m["role"], "content": content_items(m["content"])} for m in messages]
+
+
+def pixel_table(image_processor: Any):
+    """``[3, 256]`` float32: what the processor's own rescale and normalise make of each uint8
+    value in each channel. Both are per-pixel, so looking pixels up in it equals running
+    them on the whole image, bit for bit."""
+    import torch
+
+    ip = image_processor
+    values = np.tile(np.arange(256, dtype=np.uint8), (3, 1))[:, None, :]  # [3, 1, 256]
+    if getattr(ip, "backend", "pil") == "torchvision":
+        x = ip.rescale_and_normalize(
+            torch.from_numpy(values)[None],
+            ip.do_rescale,
+            ip.rescale_factor,
+            ip.do_normalize,
+            ip.image_mean,
+            ip.image_std,
+        )[0]
+    else:
+        x = values
+        if ip.do_rescale:
+            x = ip.rescale(x, ip.rescale_factor)
+        if ip.do_normalize:
+            x = ip.normalize(x, ip.image_mean, ip.image_std)
+    return torch.as_tensor(np.asarray(x, dtype=np.float32)).reshape(3, 256).contiguous()
+
+
+def normalise(units, table, dtype=None):
+    """uint8 units ``[N, 3, S, S]`` to the processor's normalised values, on their device."""
+    import torch
+
+    table = table.to(units.device)
+    channel = torch.arange(3, device=units.device).view(1, 3, 1, 1)
+    out = table[channel, units.long()]
+    return out if dtype is None else out.to(dtype)
+
+
+def decode_units(sample: dict, family: Any, out: Any) -> None:
+    """Decode a sample's images, in order, into ``out`` (their units, one after another),
+    checking each against the size in the sample's index entry."""
+    start = 0
+    for name, size in zip(image_members(sample), sample["__meta__"]["images"], strict=True):
+        count = family.image_cost(*size)
+        family.image_units(open_image(sample[name], size), out[start : start + count])
+        start += count
+
+
+def model_inputs(
+    batch: dict, device: Any = None, dtype: Any = None, non_blocking: bool = False
+) -> dict:
+    """The keyword arguments of the family's ``forward`` for a batch of a Loader made with
+    ``processor=``: ``model(**wdsvlm.model_inputs(batch, device="cuda", dtype=torch.bfloat16))``.
+
+    Pixels are normalised on ``device`` (and cast to ``dtype``). Packed rows stay isolated:
+    no 2-D ``attention_mask`` is passed (transformers then finds the packed samples from
+    ``position_ids``) and ``use_cache=False`` (a cache would let packed samples attend to
+    each other).
+    """
+    family = batch.get("family")
+    if family not in _BY_NAME:
+        raise ValueError(
+            "model_inputs takes the batches of a Loader made with processor= (this batch has "
+            "no model family); for the default tiling use input_ids, labels, position_ids "
+            "and pixel_values as they are"
+        )
+
+    def move(t):
+        return t.to(device, non_blocking=non_blocking) if device is not None else t
+
+    out = {
+        "input_ids": move(batch["input_ids"]),
+        "labels": move(batch["labels"]),
+        "position_ids": move(batch["position_ids"]),
+        "use_cache": False,
+    }
+    units = batch["pixel_values"]
+    if len(units):
+        pixels = normalise(move(units), batch["pixel_table"], dtype)
+        moved = {k: move(v) if hasattr(v, "to") else v for k, v in batch.items()}
+        out.update(_family_class(*_BY_NAME[family]).model_fields(moved, pixels))
+    return out
