@@ -1,6 +1,7 @@
 """Benchmark: padding of batching and packing strategies on a realistic VLM length mix.
 
     python scripts/bench_packing.py [--samples 20000] [--window 1000] [--seed 0]
+        [--family qwen2_5_vl|qwen3_vl|smolvlm]
 
 The mix (lengths include image tokens: 64 per 512-px tile, images of 1, 3 or 5 tiles):
 short VQA answers 35%, captions 20%, long detailed answers 20%, multi-turn chats 10%,
@@ -11,6 +12,10 @@ Strategies, each over the same samples in the same (shuffled) order:
   greedy     sequential: add to the open pack while it fits, else open a new one
   bfd        whole-epoch offline best-fit-decreasing: the practical optimum
   wdsvlm     the streaming packer (window of --window samples)
+With ``--family``, images get web-like sizes (sides 200 to 2000 px, aspect ratios 1:3 to 3:1)
+and their image tokens and vision units (patches, tiles) come from wdsvlm's family code with
+the family's published image sizes (``FAMILY_SIZES``); the vision budget of a pack is then
+``--vision-budget`` units, and max_length goes up to 8192.
 Samples longer than max_length are left out of all of them alike. Padding = 1 - real tokens /
 (rows x max_length). Packing cost is the packer's time per sample, beside the time per sample
 of the wdsvlm pipeline stages (read, decode, tokenize) on shards_example, measured in the same
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import math
 import os
 import random
 import sys
@@ -60,6 +66,36 @@ def realistic_mix(n: int, seed: int) -> list[tuple[int, int]]:
         text = max(low, min(high, text))
         tiles = images() if has_images else 0
         out.append((text + tiles * TOKENS_PER_TILE + 10, tiles))  # + chat scaffolding
+    return out
+
+
+# the published image settings of each family (its preprocessor_config.json)
+FAMILY_SIZES = {
+    "qwen2_5_vl": {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280},
+    "qwen3_vl": {"min_pixels": 256 * 256, "max_pixels": 4096 * 4096},
+    "smolvlm": {"size": {"longest_edge": 4 * 384}, "max_image_size": {"longest_edge": 384}},
+}
+
+
+def family_mix(n: int, seed: int, family: str) -> list[tuple[int, int]]:
+    """``(tokens, vision units)`` per sample: the text of ``realistic_mix``, images of web-like
+    sizes counted by the family's code."""
+    from wdsvlm.processors import family_of
+    from wdsvlm.tiny import tiny_processor
+
+    counter = family_of(tiny_processor(family, **FAMILY_SIZES[family]))
+    rng = random.Random(seed + 1)
+    out = []
+    for text_and_tiles, tiles in realistic_mix(n, seed):
+        text = text_and_tiles - tiles * TOKENS_PER_TILE
+        tokens, units = text, 0
+        for _ in range(min(tiles, 4) if tiles else 0):  # about as many images as the mix has
+            side = rng.uniform(200, 2000)
+            aspect = math.exp(rng.uniform(-math.log(3), math.log(3)))
+            w, h = max(1, round(side * math.sqrt(aspect))), max(1, round(side / math.sqrt(aspect)))
+            units += counter.image_cost(w, h)
+            tokens += len(counter.image_token_ids(w, h))
+        out.append((tokens, units))
     return out
 
 
@@ -162,8 +198,18 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=20000)
     parser.add_argument("--window", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", choices=sorted(FAMILY_SIZES), default=None)
+    parser.add_argument(
+        "--vision-budget", type=int, default=None, help="units a pack may hold (--family)"
+    )
     args = parser.parse_args()
-    mix = realistic_mix(args.samples, args.seed)
+    if args.family:
+        mix = family_mix(args.samples, args.seed, args.family)
+        max_units = args.vision_budget or (16384 if args.family.startswith("qwen") else 64)
+        lengths = (2048, 4096, 8192)
+    else:
+        mix = realistic_mix(args.samples, args.seed)
+        max_units, lengths = MAX_TILES_PER_PACK, (1024, 2048, 4096)
     random.Random(args.seed).shuffle(mix)
     per_sample = pipeline_seconds_per_sample()
     print(f"{args.samples} samples; padding fraction by strategy (lower is better):\n")
@@ -172,9 +218,11 @@ def main() -> None:
         f"{'wdsvlm':>7} {'wdsvlm-bfd':>10} {'pack us/sample':>15} {'of pipeline':>11}"
     )
     cvs = []
-    for length in (1024, 2048, 4096):
-        kept = [(t, k) for t, k in mix if t <= length and k <= MAX_TILES_PER_PACK]
-        ours, cost, packs = streaming(kept, length, MAX_TILES_PER_PACK, args.window)
+    if args.family:
+        print(f"family {args.family}: vision budget {max_units} units a pack\n")
+    for length in lengths:
+        kept = [(t, k) for t, k in mix if t <= length and k <= max_units]
+        ours, cost, packs = streaming(kept, length, max_units, args.window)
         tiles_of = [k for _, k in kept]
         cvs.append(
             (
@@ -183,10 +231,10 @@ def main() -> None:
                 tiles_per_batch_cv(packs, tiles_of, False),
             )
         )
-        bfd = best_fit_decreasing(kept, length, MAX_TILES_PER_PACK)
+        bfd = best_fit_decreasing(kept, length, max_units)
         print(
             f"{length:>10} {len(kept) / len(mix):6.1%} {naive(kept, length):7.2%} "
-            f"{fixed(kept, length):7.2%} {greedy(kept, length, MAX_TILES_PER_PACK):7.2%} "
+            f"{fixed(kept, length):7.2%} {greedy(kept, length, max_units):7.2%} "
             f"{bfd:7.2%} {ours:7.2%} {100 * (ours - bfd):+9.2f}pp "
             f"{cost * 1e6:15.0f} {cost / per_sample:11.1%}"
         )

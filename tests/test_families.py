@@ -24,7 +24,7 @@ from wdsvlm.tokenize import IGNORE_INDEX
 
 from .conftest import EXAMPLE
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "smolvlm", "idefics3"]
 
 
 def dataset_samples(root: str) -> dict[str, dict]:
@@ -198,3 +198,37 @@ def test_vision_budget_bounds_the_patches_of_every_pack():
         patches = (batch["input_ids"] == processor.image_token_id).sum(-1) * merge**2
         assert int(patches.max()) <= budget
         assert int(batch["image_grid_thw"].prod(-1).sum()) == int(patches.sum())
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["sample_keys"] == b["sample_keys"] and all(
+        torch.equal(a[k], b[k])
+        for k in ("input_ids", "labels", "position_ids", "pixel_values", "image_grid_thw")
+    )
+
+
+@pytest.mark.processes
+def test_workers_start_with_the_processor_and_a_resumed_loader_goes_on_exactly():
+    processor = tiny_processor("qwen2_5_vl")
+    settings = {"max_length": 512, "batch_size": 2, "num_workers": 2, "shuffle_buffer": 8}
+    whole = wdsvlm.Loader(EXAMPLE, processor=processor, **settings)
+    expected = [b for _, b in zip(range(5), whole, strict=False)]
+    whole.close()
+    part = wdsvlm.Loader(EXAMPLE, processor=processor, **settings)
+    it = iter(part)
+    for n in range(2):
+        assert _same(next(it), expected[n])
+    state = part.state_dict()
+    part.close()
+    resumed = wdsvlm.Loader(EXAMPLE, processor=processor, **settings)
+    resumed.load_state_dict(state)
+    got = [b for _, b in zip(range(3), resumed, strict=False)]
+    resumed.close()
+    assert all(_same(g, e) for g, e in zip(got, expected[2:], strict=True))
+    # a processor that makes other images is refused on resume
+    other = wdsvlm.Loader(
+        EXAMPLE, processor=tiny_processor("qwen2_5_vl", max_pixels=32 * 28 * 28), **settings
+    )
+    with pytest.raises(ValueError, match="cannot resume.*tokenizer"):
+        other.load_state_dict(state)
+    other.close()
