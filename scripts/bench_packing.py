@@ -83,7 +83,10 @@ def family_mix(n: int, seed: int, family: str) -> list[tuple[int, int]]:
     from wdsvlm.processors import family_of
     from wdsvlm.tiny import tiny_processor
 
-    counter = family_of(tiny_processor(family, **FAMILY_SIZES[family]))
+    processor = tiny_processor(family, **FAMILY_SIZES[family])
+    if family == "smolvlm":
+        processor.image_seq_len = 81  # SmolVLM-Instruct's: 384-px tiles, 81 tokens each
+    counter = family_of(processor)
     rng = random.Random(seed + 1)
     out = []
     for text_and_tiles, tiles in realistic_mix(n, seed):

@@ -145,10 +145,6 @@ class _Naive:
         return naive_samples(samples, self.tokenize)
 
 
-def _fits(sample: dict, max_length: int) -> bool:
-    return len(sample["input_ids"]) <= max_length
-
-
 def naive_pipeline(
     urls: list[str],
     tokenize: Tokenize,
@@ -158,6 +154,22 @@ def naive_pipeline(
 ):
     """The naive pipeline as a webdataset ``DataPipeline`` of padded batches (shards split
     over DataLoader workers)."""
+    return webdataset_batches(
+        urls, _Naive(tokenize), max_length, batch_size, pad_to_longest, storage_options
+    )
+
+
+def webdataset_batches(
+    urls: list[str],
+    stage,
+    max_length: int,
+    batch_size: int,
+    collate,
+    storage_options: Mapping[str, Any] | None = None,
+):
+    """A plain webdataset ``DataPipeline``: shards split over DataLoader workers, read with
+    webdataset's tar reader, samples (members by extension) through ``stage``, those over
+    ``max_length`` tokens dropped, batches of ``batch_size`` made by ``collate``."""
     import functools
 
     import webdataset as wds
@@ -169,19 +181,26 @@ def naive_pipeline(
         _OpenShards(storage_options),
         tar_file_expander,
         group_by_keys,
-        _Naive(tokenize),
+        stage,
         wds.select(functools.partial(_fits, max_length=max_length)),
-        wds.batched(batch_size, collation_fn=pad_to_longest, partial=True),
+        wds.batched(batch_size, collation_fn=collate, partial=True),
     )
 
 
-def timed(batches, limit: int | None, bar, started: float | None = None) -> dict:
+def _fits(sample: dict, max_length: int) -> bool:
+    return len(sample["input_ids"]) <= max_length
+
+
+def timed(batches, limit: int | None, bar, started: float | None = None, each=None) -> dict:
     """Consume batches (until ``limit`` samples): counts and rates, the first batch apart,
-    timed from ``started`` (default: now)."""
+    timed from ``started`` (default: now). ``each(batch)``, if given, is called on every
+    batch inside the timing (work the training loop would do on it)."""
     started = time.perf_counter() if started is None else started
     first = None
     samples = tokens = cells = count = 0
     for batch in batches:
+        if each is not None:
+            each(batch)
         if first is None:
             first = time.perf_counter() - started
         count += 1
@@ -224,28 +243,13 @@ def run_bench(
     with ``workers`` DataLoader workers each (the naive pipeline splits whole shards, so it
     gets at most one worker per shard). The ratios are wdsvlm over naive (None where the naive
     side gave nothing). Times to the first batch include starting the workers."""
-    from torch.utils.data import DataLoader
-
     from .loader import Loader
-    from .plan import resolve_source
 
     config = image_config or ImageConfig()
     tokenize = Tokenize(tokenizer, tokens_per_tile=tokens_per_tile, image_config=config)
-    index, urls = resolve_source(source, storage_options)
-    samples = sum(shard["samples"] for shard in index["shards"])
-    total = samples if limit is None else min(limit, samples)
-    naive_workers = min(workers, len(urls))
-    results = {}
-    with progress(total=total, enabled=show_progress, desc="naive", unit=" samples") as bar:
-        naive = DataLoader(
-            naive_pipeline(urls, tokenize, max_length, batch_size, storage_options),
-            batch_size=None,
-            num_workers=naive_workers,
-        )
-        results["naive"] = timed(naive, limit, bar)
-    with progress(total=total, enabled=show_progress, desc="wdsvlm", unit=" samples") as bar:
-        started = time.perf_counter()
-        loader = Loader(
+
+    def loader():
+        return Loader(
             source,
             tokenize.tokenizer,
             max_length=max_length,
@@ -257,8 +261,66 @@ def run_bench(
             tokens_per_tile=tokens_per_tile,
             storage_options=storage_options,
         )
-        try:  # timed from before the Loader is made: its set-up (sizing the epoch) counts
-            results["wdsvlm"] = timed(loader, limit, bar, started)
+
+    results = side_by_side(
+        source,
+        lambda urls: naive_pipeline(urls, tokenize, max_length, batch_size, storage_options),
+        loader,
+        workers=workers,
+        limit=limit,
+        storage_options=storage_options,
+        show_progress=show_progress,
+    )
+    return {
+        "source": source,
+        "settings": {
+            "max_length": max_length,
+            "batch_size": batch_size,
+            "workers": workers,
+            "naive_workers": results.pop("naive_workers"),
+            "limit": limit,
+            "tile_size": config.tile_size,
+            "max_image_side": config.max_image_side,
+            "tokens_per_tile": tokens_per_tile,
+        },
+        **results,
+    }
+
+
+def side_by_side(
+    source: str,
+    make_naive,
+    make_loader,
+    *,
+    workers: int,
+    limit: int | None,
+    storage_options: Mapping[str, Any] | None = None,
+    show_progress: bool = True,
+    each=None,
+) -> dict:
+    """Time the naive pipeline that ``make_naive(urls)`` makes of the source's shards
+    (batches, in a DataLoader with ``workers`` workers, at most one a shard), then the Loader
+    that ``make_loader()`` makes (timed from before it is made: its set-up counts;
+    ``each(batch)`` is called on every batch inside the timing): ``naive``, ``wdsvlm``, their
+    ``ratios`` (wdsvlm over naive, None where the naive side gave nothing) and
+    ``naive_workers``."""
+    from torch.utils.data import DataLoader
+
+    from .plan import resolve_source
+
+    index, urls = resolve_source(source, storage_options)
+    samples = sum(shard["samples"] for shard in index["shards"])
+    total = samples if limit is None else min(limit, samples)
+    naive_workers = min(workers, len(urls))
+    results = {}
+    with progress(total=total, enabled=show_progress, desc="naive", unit=" samples") as bar:
+        naive = DataLoader(make_naive(urls), batch_size=None, num_workers=naive_workers)
+        results["naive"] = timed(naive, limit, bar)
+    with progress(total=total, enabled=show_progress, desc="wdsvlm", unit=" samples") as bar:
+        started = time.perf_counter()
+        loader = make_loader()
+        try:
+            results["wdsvlm"] = timed(loader, limit, bar, started, each)
         finally:
             loader.close()
     naive, ours = results["naive"], results["wdsvlm"]
@@ -269,21 +331,11 @@ def run_bench(
         return ours[name] / naive[name]
 
     return {
-        "source": source,
-        "settings": {
-            "max_length": max_length,
-            "batch_size": batch_size,
-            "workers": workers,
-            "naive_workers": naive_workers,
-            "limit": limit,
-            "tile_size": config.tile_size,
-            "max_image_side": config.max_image_side,
-            "tokens_per_tile": tokens_per_tile,
-        },
         **results,
         "ratios": {
             name: ratio(name) for name in ("samples_per_s", "tokens_per_s", "first_batch_s")
         },
+        "naive_workers": naive_workers,
     }
 
 
@@ -295,8 +347,9 @@ def _seconds(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
 
-def bench_table(result: dict) -> str:
-    """The result of ``run_bench`` as a table."""
+def bench_table(result: dict, header: str | None = None) -> str:
+    """The result of ``run_bench`` as a table, under ``header`` (default: what each side's
+    batches are)."""
     naive, ours, ratios = result["naive"], result["wdsvlm"], result["ratios"]
     settings = result["settings"]
     rows = [
@@ -328,11 +381,11 @@ def bench_table(result: dict) -> str:
     workers = f"{settings['workers']} DataLoader workers each"
     if settings["naive_workers"] < settings["workers"]:
         workers += f" (naive: {settings['naive_workers']}, one per shard)"
-    lines = [
-        f"{result['source']}: {workers}; naive batches of "
-        f"{settings['batch_size']} samples padded to the longest, wdsvlm batches "
-        f"[{settings['batch_size']}, {settings['max_length']}] packed"
-    ]
+    header = header or (
+        f"naive batches of {settings['batch_size']} samples padded to the longest, wdsvlm "
+        f"batches [{settings['batch_size']}, {settings['max_length']}] packed"
+    )
+    lines = [f"{result['source']}: {workers}; {header}"]
     for r in rows:
         lines.append(
             f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}"

@@ -169,10 +169,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="Loader throughput beside a naive webdataset pipeline, in one run",
         description="Time wdsvlm.Loader and a naive webdataset pipeline doing the same work "
         "(full decode, tokenize per sample, pad to the longest), one after the other, with "
-        "the same DataLoader workers; print rates and their ratios.",
+        "the same DataLoader workers; print rates and their ratios. With --processor, both "
+        "feed that model family: the naive side calls the Hugging Face processor per sample "
+        "and pads its output (float32 pixels), the Loader packs uint8 units that "
+        "wdsvlm.model_inputs normalises (counted in its time).",
     )
     bench.add_argument("source", metavar="SOURCE", help="dataset folder or URL")
-    bench.add_argument("--tokenizer", required=True, metavar="T", help="tokenizer name or folder")
+    bench.add_argument(
+        "--tokenizer", metavar="T", help="tokenizer name or folder (the default tiling)"
+    )
+    bench.add_argument(
+        "--processor",
+        metavar="P",
+        help="a model family's processor (name or folder for AutoProcessor), or tiny:FAMILY "
+        "(qwen2_vl, qwen2_5_vl, qwen3_vl, smolvlm, idefics3): the family's processor with its "
+        "published image sizes over the tiny tokenizer of shards_example, offline; "
+        "--tile-size, --max-image-side and --tokens-per-tile do not apply",
+    )
     bench.add_argument("--max-length", type=_positive, default=2048, metavar="L")
     bench.add_argument("--batch-size", type=_positive, default=8, metavar="B")
     bench.add_argument(
@@ -311,6 +324,23 @@ def _bench(args: argparse.Namespace) -> None:
 
     if args.workers < 0:
         raise ValueError(f"--workers must be 0 or more, not {args.workers}")
+    if (args.tokenizer is None) == (args.processor is None):
+        raise ValueError("give --tokenizer T or --processor P (one of them)")
+    if args.processor is not None:
+        from .bench_processor import processor_bench_table, run_processor_bench
+
+        result = run_processor_bench(
+            args.source,
+            args.processor,
+            max_length=args.max_length,
+            batch_size=args.batch_size,
+            workers=args.workers,
+            limit=args.limit,
+            storage_options=args.storage_options,
+            show_progress=not args.quiet,
+        )
+        print(json.dumps(result, indent=2) if args.json else processor_bench_table(result))
+        return
     result = run_bench(
         args.source,
         args.tokenizer,

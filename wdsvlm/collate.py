@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .images import ImageConfig, UnreadableImage, decode_into, uint8_tiles
-from .processors import decode_units, pixel_table
+from .processors import decode_units, pixel_affine, pixel_table
 from .stats import SkipStats
 from .tokenize import IGNORE_INDEX
 
@@ -46,6 +46,7 @@ class Collate:
     ):
         self.family = family
         self._table = None if family is None else pixel_table(family.image_processor)
+        self._affine = None if family is None else pixel_affine(family.image_processor)
         self.max_length = max_length
         self.batch_size = batch_size
         self.pad_token_id = pad_token_id
@@ -78,6 +79,7 @@ class Collate:
         if family is not None:
             batch["family"] = family.name
             batch["pixel_table"] = self._table
+            batch["pixel_affine"] = self._affine
             batch.update(family.batch_fields([s for row in rows for s in row]))
             if hasattr(family, "position_rows"):
                 text = batch["position_ids"].numpy()

@@ -128,14 +128,66 @@ def pixel_table(image_processor: Any):
     return torch.as_tensor(np.asarray(x, dtype=np.float32)).reshape(3, 256).contiguous()
 
 
-def normalise(units, table, dtype=None):
-    """uint8 units ``[N, 3, S, S]`` to the processor's normalised values, on their device."""
+def pixel_affine(image_processor: Any):
+    """``[3, 3]`` float32: the processor's divisor (1 / rescale factor), mean and std per
+    channel, for the arithmetic ``normalise`` uses where it gives the table's values."""
     import torch
 
-    table = table.to(units.device)
-    channel = torch.arange(3, device=units.device).view(1, 3, 1, 1)
-    out = table[channel, units.long()]
+    ip = image_processor
+    divisor = 1 / ip.rescale_factor if ip.do_rescale else 1.0
+    mean = ip.image_mean if ip.do_normalize else 0.0
+    std = ip.image_std if ip.do_normalize else 1.0
+    rows = [np.broadcast_to(np.asarray(v, dtype=np.float64), (3,)) for v in (divisor, mean, std)]
+    return torch.tensor(np.stack(rows), dtype=torch.float32)
+
+
+def _rescale_then_normalise(x, divisor, mean, std):
+    return x.div_(divisor).sub_(mean).div_(std)
+
+
+def _fused(x, divisor, mean, std):  # the torchvision processors fold the rescale in
+    return x.sub_(mean * divisor).div_(std * divisor)
+
+
+_FORMULAS = (_rescale_then_normalise, _fused)
+_exact_formula: dict[tuple, Any] = {}  # (device, affine) -> the formula equal to the table
+
+
+def normalise(units, table, affine=None, dtype=None):
+    """uint8 units ``[N, 3, S, S]`` to the processor's normalised values, on their device.
+
+    The table (``pixel_table``) is the truth. Arithmetic on ``affine`` (``pixel_affine``)
+    is used instead where, checked once per device on all 256 values of each channel, it
+    gives exactly the table's values: it is about twice as fast as the lookup.
+    """
+    import torch
+
+    device = units.device
+    formula = None
+    if affine is not None:
+        key = (str(device), tuple(affine.flatten().tolist()), table.sum().item())
+        if key not in _exact_formula:
+            _exact_formula[key] = _pick_formula(table.to(device), affine.to(device))
+        formula = _exact_formula[key]
+    if formula is None:
+        table = table.to(device)
+        channel = torch.arange(3, device=device).view(1, 3, 1, 1)
+        out = table[channel, units.long()]
+    else:
+        divisor, mean, std = (a.to(device).view(1, 3, 1, 1) for a in affine)
+        out = formula(units.to(torch.float32), divisor, mean, std)
     return out if dtype is None else out.to(dtype)
+
+
+def _pick_formula(table, affine):
+    import torch
+
+    values = torch.arange(256, device=table.device, dtype=torch.float32).expand(1, 3, 1, 256)
+    divisor, mean, std = (a.view(1, 3, 1, 1) for a in affine)
+    for formula in _FORMULAS:
+        if torch.equal(formula(values.clone(), divisor, mean, std).view(3, 256), table):
+            return formula
+    return None
 
 
 def decode_units(sample: dict, family: Any, out: Any) -> None:
@@ -178,7 +230,7 @@ def model_inputs(
     }
     units = batch["pixel_values"]
     if len(units):
-        pixels = normalise(move(units), batch["pixel_table"], dtype)
+        pixels = normalise(move(units), batch["pixel_table"], batch.get("pixel_affine"), dtype)
         moved = {k: move(v) if hasattr(v, "to") else v for k, v in batch.items()}
         out.update(_family_class(*_BY_NAME[family]).model_fields(moved, pixels))
     return out
