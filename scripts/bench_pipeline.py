@@ -1,6 +1,7 @@
 """Benchmark: wdsvlm's pipeline stages against a naive webdataset pipeline doing the same work.
 
     python scripts/bench_pipeline.py [--mix web|coco|both] [--samples N] [--workdir DIR] [--json]
+    python scripts/bench_pipeline.py --make-only --mix photos --samples 1200   # data only
 
 For each image-size mix, on the same shards and in one process, side by side:
   (a) naive: webdataset's tar reader, full PIL decode, the same resize and tiling (tile by
@@ -20,6 +21,8 @@ Mixes (made once under --workdir with wdsvlm's own writer; photo-like JPEGs: sha
 noise at quality 85):
   web:  long sides 480-4000 px, three quarters above 2 x max_image_side (2048 px)
   coco: long sides 224-1600 px
+  photos: long sides 500-1600 px (web-sized photos; the data of `wdsvlm bench --processor`
+      in the README, made with --make-only)
 Each timing is the best of --rounds runs (a and b alternate), to damp a noisy machine. Torch
 runs one thread, as it does in DataLoader workers, so "single process" means one core.
 """
@@ -60,6 +63,8 @@ TOKENS_PER_TILE = 64
 def long_side(mix: str, rng: random.Random) -> int:
     if mix == "web":
         return int(rng.uniform(2048, 4000) if rng.random() < 0.75 else rng.uniform(480, 2048))
+    if mix == "photos":
+        return int(rng.uniform(500, 1600))
     return int(rng.uniform(224, 1600))
 
 
@@ -322,7 +327,10 @@ def bench_mix(mix, folder, rounds):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mix", choices=("web", "coco", "both"), default="both")
+    parser.add_argument("--mix", choices=("web", "coco", "photos", "both"), default="both")
+    parser.add_argument(
+        "--make-only", action="store_true", help="make the mix's dataset, print its folder"
+    )
     parser.add_argument(
         "--samples", type=int, default=None, help="samples per mix (default: web 300, coco 600)"
     )
@@ -338,6 +346,11 @@ def main() -> None:
         print(json.dumps(measure(*args.measure)))
         return
     mixes = ["web", "coco"] if args.mix == "both" else [args.mix]
+    if args.make_only:
+        for mix in mixes:
+            n = args.samples or {"web": 300, "coco": 600, "photos": 1200}[mix]
+            print(make_mix(mix, n, os.path.join(args.workdir, f"n{n}")))
+        return
     results = []
     for mix in mixes:
         n = args.samples or {"web": 300, "coco": 600}[mix]

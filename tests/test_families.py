@@ -18,7 +18,7 @@ import torch
 import wdsvlm
 import wdsvlm.qwen
 from wdsvlm.images import image_members, open_image
-from wdsvlm.processors import conversation, normalise
+from wdsvlm.processors import conversation, normalise, pixel_table
 from wdsvlm.tiny import tiny_model, tiny_processor
 from wdsvlm.tokenize import IGNORE_INDEX
 
@@ -86,7 +86,8 @@ def test_packed_batch_holds_what_the_processor_makes_of_each_sample(family, samp
     assert "attention_mask" not in inputs and inputs["use_cache"] is False
     n_packed = 0
     pixel_at = 0
-    units = normalise(batch["pixel_values"], batch["pixel_table"])
+    model_pixels = inputs["pixel_values"]  # the model's layout: one row per patch or tile
+    model_pixels = model_pixels[0] if family in ("smolvlm", "idefics3") else model_pixels
     for r, start, stop, key in _spans(batch):
         ref = alone(processor, samples[key])
         ids = batch["input_ids"][r, start:stop]
@@ -105,12 +106,12 @@ def test_packed_batch_holds_what_the_processor_makes_of_each_sample(family, samp
             assert answer in decoded
         if "pixel_values" in ref:
             expected = reference_pixels(family, ref)
-            mine = as_model_takes(family, batch, units[pixel_at : pixel_at + len(expected)])
+            mine = model_pixels[pixel_at : pixel_at + len(expected)]
             assert torch.equal(mine, expected), key
             pixel_at += len(expected)
         n_packed += 1
     assert n_packed > 2  # packing happened
-    assert pixel_at == len(units)
+    assert pixel_at == len(model_pixels) == len(batch["pixel_values"])
 
 
 def reference_pixels(family: str, ref) -> torch.Tensor:
@@ -118,12 +119,6 @@ def reference_pixels(family: str, ref) -> torch.Tensor:
     if family.startswith("qwen"):
         return ref["pixel_values"]  # [patches, 3 * T * P * P]
     return ref["pixel_values"][0]  # [tiles, 3, S, S]: one sample, no padding images
-
-
-def as_model_takes(family: str, batch, units: torch.Tensor) -> torch.Tensor:
-    if family.startswith("qwen"):
-        return wdsvlm.qwen.QwenFamily.model_fields(batch, units)["pixel_values"]
-    return units
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -232,3 +227,36 @@ def test_workers_start_with_the_processor_and_a_resumed_loader_goes_on_exactly()
     with pytest.raises(ValueError, match="cannot resume.*tokenizer"):
         other.load_state_dict(state)
     other.close()
+
+
+def test_the_public_stages_take_a_family_and_give_what_the_processor_gives(samples):
+    import webdataset as wds
+
+    from wdsvlm import DecodeImages, Plan, ReadSamples, Tokenize, WorkerConfig
+
+    processor = tiny_processor("qwen3_vl")
+    family = wdsvlm.family_of(processor)
+    pipe = wds.DataPipeline(
+        Plan(EXAMPLE, worker_config=WorkerConfig()),
+        ReadSamples(),
+        DecodeImages(family=family),
+        Tokenize(family=family),
+    )
+    table = pixel_table(family.image_processor)
+
+    def normaliser(units):
+        return normalise(units, table)
+
+    checked = 0
+    for sample, _ in zip(pipe, range(12), strict=False):
+        ref = alone(processor, samples[f"{sample['__shard__']}/{sample['__key__']}"])
+        assert torch.equal(torch.from_numpy(sample["input_ids"]), ref["input_ids"][0])
+        if "pixel_values" in ref:
+            fields = wdsvlm.qwen.QwenFamily.model_fields(
+                {"temporal_patch_size": 2, "image_grid_thw": None},
+                sample["pixel_values"],
+                normaliser,
+            )
+            assert torch.equal(fields["pixel_values"], ref["pixel_values"])
+            checked += 1
+    assert checked > 3

@@ -140,8 +140,12 @@ def test_no_batch_fields_and_no_model_fields_without_images():
     family = SmolVLMFamily(published())
     samples = [{"__meta__": {"images": [[10, 10]]}, "image_tiles": [17]}]
     assert family.batch_fields(samples) == {}
-    assert family.model_fields({}, torch.zeros(0, 3, 364, 364)) == {}
-    pv = family.model_fields({}, torch.ones(5, 3, 364, 364))["pixel_values"]
+
+    def keep(units):
+        return units
+
+    assert family.model_fields({}, torch.zeros(0, 3, 364, 364), keep) == {}
+    pv = family.model_fields({}, torch.ones(5, 3, 364, 364), keep)["pixel_values"]
     assert pv.shape == (1, 5, 3, 364, 364)
 
 
@@ -179,8 +183,11 @@ def test_packed_tiles_give_the_model_what_the_processor_gives_it_sample_by_sampl
             ]
         )
         tiles = torch.cat(units_).long()
-        pixels = table[torch.arange(3)[:, None, None], tiles]
-        kwargs = family.model_fields({}, pixels)
+
+        def normalised(units):
+            return table[torch.arange(3)[:, None, None], units]
+
+        kwargs = family.model_fields({}, tiles, normalised)
         packed = model(input_ids=input_ids, position_ids=position_ids, **kwargs).logits
     a, b, c = (len(i) for i in ids)
     torch.testing.assert_close(packed[0, :a], alone[0], rtol=1e-4, atol=1e-5)

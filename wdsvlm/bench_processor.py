@@ -210,10 +210,13 @@ def run_processor_bench(
     limit: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     show_progress: bool = True,
+    model_inputs: bool = True,
 ) -> dict:
     """Throughput of the naive way (the processor per sample, padded batches) over one pass
     of ``source``, then of ``wdsvlm.Loader(processor=...)`` with ``wdsvlm.model_inputs`` on
-    every batch, over one epoch, or each until ``limit`` samples; ``processor``: an object,
+    every batch (``model_inputs=False``: the batches alone, as on a GPU, where the
+    normalisation is the device's), over one epoch, or each until ``limit`` samples;
+    ``processor``: an object,
     a name or path, or ``"tiny:FAMILY"`` (see ``bench_processor``). Results as
     ``wdsvlm.bench.run_bench``'s."""
     from .loader import Loader
@@ -238,7 +241,7 @@ def run_processor_bench(
         limit=limit,
         storage_options=storage_options,
         show_progress=show_progress,
-        each=_normalised,
+        each=_normalised if model_inputs else None,
     )
     ip = processor.image_processor
     return {
@@ -252,6 +255,7 @@ def run_processor_bench(
             "workers": workers,
             "naive_workers": results.pop("naive_workers"),
             "limit": limit,
+            "model_inputs": model_inputs,
         },
         **results,
     }
@@ -265,5 +269,6 @@ def processor_bench_table(result: dict) -> str:
         header=f"{settings['processor']} (image size {settings['image_size']}); naive: the "
         f"processor per sample, batches of {settings['batch_size']} padded to the longest, "
         f"float32 pixels; wdsvlm: batches [{settings['batch_size']}, "
-        f"{settings['max_length']}] packed, uint8 pixels normalised by model_inputs",
+        f"{settings['max_length']}] packed, uint8 pixels "
+        + ("normalised by model_inputs" if settings["model_inputs"] else "(not normalised)"),
     )

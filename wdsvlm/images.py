@@ -267,10 +267,19 @@ class DecodeImages:
 
     A sample with an image that does not decode, or that disagrees with the index, is skipped
     and counted (``undecodable_image``, ``image_size_mismatch``, ``image_count_mismatch``).
+    With a model ``family`` (``processors.family_of(processor)``), ``pixel_values`` holds the
+    family's uint8 units and ``image_tiles`` the units per image.
     """
 
-    def __init__(self, config: ImageConfig | None = None, *, stats: SkipStats | None = None):
+    def __init__(
+        self,
+        config: ImageConfig | None = None,
+        *,
+        family=None,
+        stats: SkipStats | None = None,
+    ):
         self.config = config or ImageConfig()
+        self.family = family
         self.stats = stats if stats is not None else SkipStats()
 
     def __call__(self, samples: Iterator[dict]) -> Iterator[dict]:
@@ -293,6 +302,9 @@ class DecodeImages:
             except UnreadableImage as e:
                 self.stats.skip("images", "undecodable_image", sample, str(e))
                 continue
+            except ValueError as e:  # a size the family refuses (an extreme aspect ratio)
+                self.stats.skip("images", "unusable_image", sample, str(e))
+                continue
             self.stats.ok("images")
             yield sample
 
@@ -301,6 +313,18 @@ class DecodeImages:
         import torch
 
         tile = self.config.tile_size
+        if self.family is not None:
+            from .processors import decode_units
+
+            if sizes is None:  # no index entry: the sizes from the image headers
+                sizes = [list(image_size(sample[name])) for name in names]
+                sample.setdefault("__meta__", {})["images"] = sizes
+            counts = [self.family.image_cost(w, h) for w, h in sizes]
+            pixels = uint8_tiles(sum(counts), self.family.unit_size)
+            decode_units(sample, self.family, pixels)
+            for name in names:
+                del sample[name]
+            return pixels, counts
         if sizes is None:  # no index sizes: decode, then join (the DataLoader shares it)
             per_image = [image_tiles(sample.pop(name), self.config) for name in names]
             empty = torch.empty((0, 3, tile, tile), dtype=torch.uint8)

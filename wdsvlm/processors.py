@@ -154,11 +154,12 @@ _exact_formula: dict[tuple, Any] = {}  # (device, affine) -> the formula equal t
 
 
 def normalise(units, table, affine=None, dtype=None):
-    """uint8 units ``[N, 3, S, S]`` to the processor's normalised values, on their device.
+    """uint8 units ``[N, 3, S, S]`` to the processor's normalised values (float32), on their
+    device.
 
     The table (``pixel_table``) is the truth. Arithmetic on ``affine`` (``pixel_affine``)
     is used instead where, checked once per device on all 256 values of each channel, it
-    gives exactly the table's values: it is about twice as fast as the lookup.
+    gives exactly the table's values: it is about three times as fast as the lookup.
     """
     import torch
 
@@ -230,7 +231,15 @@ def model_inputs(
     }
     units = batch["pixel_values"]
     if len(units):
-        pixels = normalise(move(units), batch["pixel_table"], batch.get("pixel_affine"), dtype)
-        moved = {k: move(v) if hasattr(v, "to") else v for k, v in batch.items()}
-        out.update(_family_class(*_BY_NAME[family]).model_fields(moved, pixels))
+        table, affine = batch["pixel_table"], batch.get("pixel_affine")
+
+        def normalised(units):
+            return normalise(units, table, affine)
+
+        cls = _family_class(*_BY_NAME[family])
+        moved = {k: move(batch[k]) for k in getattr(cls, "device_fields", ())}
+        fields = cls.model_fields({**batch, **moved}, move(units), normalised)
+        if dtype is not None:
+            fields["pixel_values"] = fields["pixel_values"].to(dtype)
+        out.update(fields)
     return out

@@ -82,6 +82,8 @@ def mrope_positions(
 class QwenFamily:
     """Qwen2-VL, Qwen2.5-VL and Qwen3-VL, with the numbers of the processor given."""
 
+    device_fields = ("image_grid_thw",)  # batch tensors model_fields hands to the model
+
     def __init__(self, processor: Any):
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -187,9 +189,11 @@ class QwenFamily:
         return out
 
     @staticmethod
-    def model_fields(batch: dict, pixels: Any) -> dict:
-        """``pixel_values`` ``[patches, 3 * T * P * P]`` (each patch repeated over the
-        temporal patch, as the processor does for an image) and ``image_grid_thw``."""
+    def model_fields(batch: dict, units: Any, normalised: Any) -> dict:
+        """``pixel_values`` ``[patches, 3 * T * P * P]``: each patch normalised
+        (``normalised(units)``) and repeated over the temporal patch, as the processor does
+        for an image; and ``image_grid_thw``."""
+        pixels = normalised(units)
         n, c, p, _ = pixels.shape
         t = batch["temporal_patch_size"]
         flat = pixels.unsqueeze(2).expand(n, c, t, p, p).reshape(n, c * t * p * p)

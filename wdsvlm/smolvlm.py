@@ -188,6 +188,7 @@ class SmolVLMFamily:
         return {}
 
     @staticmethod
-    def model_fields(batch: dict, pixels: torch.Tensor) -> dict:
-        """Forward kwargs: the batch's tiles as one [1, N, 3, S, S] image list (see module doc)."""
-        return {"pixel_values": pixels[None]} if pixels.shape[0] else {}
+    def model_fields(batch: dict, units: torch.Tensor, normalised: Any) -> dict:
+        """Forward kwargs: the batch's tiles, normalised (``normalised(units)``), as one
+        [1, N, 3, S, S] image list (see module doc)."""
+        return {"pixel_values": normalised(units)[None]} if units.shape[0] else {}
