@@ -168,6 +168,8 @@ def test_a_processor_of_another_family_is_refused_naming_the_supported_ones():
         wdsvlm.family_of(LlavaProcessor())
     with pytest.raises(TypeError, match="tokenizer.*or processor="):
         wdsvlm.Loader(EXAMPLE)
+    with pytest.raises(ValueError, match="cannot load the processor '/no/such/processor'"):
+        wdsvlm.Loader(EXAMPLE, processor="/no/such/processor")
 
 
 def test_model_inputs_refuses_a_batch_of_the_default_tiling():

@@ -74,3 +74,11 @@ def test_readme_torchrun_loop_trains_and_resumes(tmp_path):
     # the second run starts where the first one's checkpoint stands: the end of epoch 0
     assert re.search(r"rank 0: resumed in epoch 0 after batch (\d+)", runs[1])
     assert "epoch 1 batch" in runs[1] and "epoch 0 batch" not in runs[1]
+
+
+def test_readme_processor_example_runs(monkeypatch, capsys):
+    pattern = r"```python\n(import wdsvlm\nfrom wdsvlm.tiny import .*?)```"
+    scope = run_python_example(pattern, monkeypatch)
+    (shown,) = readme_blocks(r"print\(batch\[\"position_ids\"\].*?\n# (.*?)\n```")
+    assert capsys.readouterr().out.strip() == shown
+    assert scope["batch"]["family"] == "qwen2_5_vl"
