@@ -68,6 +68,7 @@ def test_tiny_processors_get_the_published_image_sizes():
     [
         ([], "give --tokenizer T or --processor P"),
         (["--tokenizer", "t", "--processor", "tiny:qwen2_vl"], "one of them"),
+        (["--tokenizer", "t", "--batches-only"], "--batches-only goes with --processor"),
     ],
 )
 def test_tokenizer_or_processor(args, message, capsys):

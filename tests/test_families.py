@@ -12,6 +12,7 @@ import json
 import os
 import tarfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -262,3 +263,96 @@ def test_the_public_stages_take_a_family_and_give_what_the_processor_gives(sampl
             assert torch.equal(fields["pixel_values"], ref["pixel_values"])
             checked += 1
     assert checked > 3
+
+
+def _encoded(family, messages, sizes=()):
+    from wdsvlm import Tokenize
+
+    sample = {
+        "__key__": "k",
+        "__shard__": "s",
+        "json": json.dumps({"messages": messages}).encode(),
+        "__meta__": {"images": [list(s) for s in sizes]},
+    }
+    (out,) = Tokenize(family=family).encode([sample])
+    return out
+
+
+def test_labels_are_the_answer_even_where_the_default_system_turn_holds_the_same_words():
+    processor = tiny_processor("qwen2_5_vl")  # renders "You are a helpful assistant." first
+    family = wdsvlm.family_of(processor)
+    messages = [
+        {"role": "user", "content": "helpful"},
+        {"role": "assistant", "content": "assistant."},
+    ]
+    out = _encoded(family, messages)
+    supervised = out["input_ids"][out["labels"] != IGNORE_INDEX]
+    assert processor.tokenizer.decode(supervised) == "assistant.<|im_end|>"
+    start = processor.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    last_turn = max(i for i, t in enumerate(out["input_ids"]) if t == start)
+    assert min(np.flatnonzero(out["labels"] != IGNORE_INDEX)) > last_turn  # not the system's
+
+
+def test_an_image_inside_an_answer_and_an_empty_answer_are_labelled_as_text_only():
+    processor = tiny_processor("qwen2_5_vl")
+    family = wdsvlm.family_of(processor)
+    messages = [
+        {"role": "user", "content": "Draw it."},
+        {"role": "assistant", "content": "here <image> done"},
+        {"role": "user", "content": "Again?"},
+        {"role": "assistant", "content": ""},
+    ]
+    out = _encoded(family, messages, sizes=[(56, 56)])
+    supervised = out["input_ids"][out["labels"] != IGNORE_INDEX]
+    assert processor.tokenizer.decode(supervised) == "here  done<|im_end|><|im_end|>"
+
+
+def test_an_image_the_family_refuses_is_skipped_and_counted_naming_the_sample(tmp_path):
+    from .conftest import make_image, write_jsonl
+
+    records = []
+    for i, size in enumerate([(64, 48)] * 5 + [(1000, 4)]):  # 1000x4: aspect ratio over 200
+        image = make_image(str(tmp_path / f"{i}.png"), size, "PNG", seed=i)
+        records.append(
+            {
+                "id": f"r{i}",
+                "image": image,
+                "conversations": [
+                    {"from": "human", "value": "<image>\nWhat is it?"},
+                    {"from": "gpt", "value": f"Picture {i}."},
+                ],
+            }
+        )
+    data = str(tmp_path / "ds")
+    wdsvlm.write_dataset(write_jsonl(str(tmp_path / "in.jsonl"), records), data, progress=False)
+    loader = wdsvlm.Loader(data, processor=tiny_processor("qwen2_vl"), max_length=512, batch_size=1)
+    keys = [k for batch in loader for row in batch["sample_keys"] for k in row]
+    stats = loader.stats()
+    assert list(stats["skipped"]) == ["unusable_image"]  # counted once in each pass read
+    assert set(stats["skipped_examples"]["unusable_image"]) == {"data-000000.tar/000000005"}
+    assert keys and all(not k.endswith("000005") for k in keys)
+
+
+def test_a_chat_template_that_cannot_take_content_lists_is_refused_at_once():
+    processor = tiny_processor("qwen2_vl")
+    string_only = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['content'] + '<|im_end|>' }}{% endfor %}"
+    )
+    with pytest.raises(wdsvlm.TemplateError, match="cannot render content lists"):
+        wdsvlm.Loader(EXAMPLE, processor=processor, chat_template=string_only)
+
+
+def test_a_processor_setting_that_changes_the_tokens_changes_the_resume_fingerprint():
+    from wdsvlm import Tokenize
+
+    processor = tiny_processor("smolvlm")
+    before = Tokenize(family=wdsvlm.family_of(processor)).fingerprint()
+    processor.image_seq_len *= 4
+    assert Tokenize(family=wdsvlm.family_of(processor)).fingerprint() != before
+
+
+def test_tiling_settings_given_with_a_processor_are_refused_not_ignored():
+    with pytest.raises(ValueError, match="tile_size, tokens_per_tile set together with processor="):
+        wdsvlm.Loader(
+            EXAMPLE, processor=tiny_processor("qwen2_vl"), tile_size=128, tokens_per_tile=16
+        )

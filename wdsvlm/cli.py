@@ -332,6 +332,8 @@ def _bench(args: argparse.Namespace) -> None:
         raise ValueError(f"--workers must be 0 or more, not {args.workers}")
     if (args.tokenizer is None) == (args.processor is None):
         raise ValueError("give --tokenizer T or --processor P (one of them)")
+    if args.batches_only and args.processor is None:
+        raise ValueError("--batches-only goes with --processor")
     if args.processor is not None:
         from .bench_processor import processor_bench_table, run_processor_bench
 

@@ -47,6 +47,11 @@ class UnreadableImage(ValueError):
     """The bytes are not an image Pillow can decode completely."""
 
 
+class UnusableImage(ValueError):
+    """The image reads, but the model family's processor refuses its size (the Qwen
+    processors refuse an aspect ratio over 200, say)."""
+
+
 class ImageSizeMismatch(UnreadableImage):
     """The image decodes to another size than the index recorded for it."""
 
@@ -302,7 +307,7 @@ class DecodeImages:
             except UnreadableImage as e:
                 self.stats.skip("images", "undecodable_image", sample, str(e))
                 continue
-            except ValueError as e:  # a size the family refuses (an extreme aspect ratio)
+            except UnusableImage as e:
                 self.stats.skip("images", "unusable_image", sample, str(e))
                 continue
             self.stats.ok("images")
@@ -352,12 +357,27 @@ def uint8_tiles(n_tiles: int, tile: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
 
 
-def decode_into(sample: dict, config: ImageConfig, out: torch.Tensor) -> None:
-    """Decode a sample's images, in order, into ``out`` (their tiles, one after another),
-    checking each against the size in the sample's index entry."""
-    sizes = sample["__meta__"]["images"]
+def decode_each(
+    sample: dict,
+    out: torch.Tensor,
+    cost: Callable[[int, int], int],
+    fill: Callable[[bytes, Sequence[int], torch.Tensor], object],
+) -> None:
+    """Decode a sample's images, in order, into ``out``: image by image, ``cost(w, h)``
+    units each, written by ``fill(bytes, index size, its slice of out)``, which checks the
+    image against the size in the sample's index entry."""
     start = 0
-    for name, size in zip(image_members(sample), sizes, strict=True):
-        count = tile_count(*size, config)
-        image_tiles(sample[name], config, size, out=out[start : start + count])
+    for name, size in zip(image_members(sample), sample["__meta__"]["images"], strict=True):
+        count = cost(*size)
+        fill(sample[name], size, out[start : start + count])
         start += count
+
+
+def decode_into(sample: dict, config: ImageConfig, out: torch.Tensor) -> None:
+    """Decode a sample's images into ``out``: their tiles, one after another."""
+    decode_each(
+        sample,
+        out,
+        lambda w, h: tile_count(w, h, config),
+        lambda data, size, part: image_tiles(data, config, size, out=part),
+    )

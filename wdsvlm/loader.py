@@ -25,7 +25,7 @@ from typing import Any
 from .cache import ShardCache
 from .collate import Collate
 from .errors import WdsvlmError
-from .images import ImageConfig
+from .images import ImageConfig, UnusableImage
 from .pack import BalanceBatches, Pack, tiles_cv
 from .plan import Plan, WorkerConfig
 from .processors import family_of
@@ -101,12 +101,10 @@ class Loader:
     def __init__(self, source: str | Sequence[str], tokenizer: Any = None, **settings: Any):
         self.settings = settings = settings_from(settings)
         if (tokenizer is None) == (settings.processor is None):
+            both = ", not both" if tokenizer is not None else ""
             raise TypeError(
-                "Loader needs a tokenizer (the default tiling) or processor= (a model family's "
-                "Hugging Face processor), not both"
-                if tokenizer is not None
-                else "Loader needs a tokenizer (the default tiling) or processor= (a model "
-                "family's Hugging Face processor)"
+                "Loader needs a tokenizer (the default tiling) or processor= (a model "
+                f"family's Hugging Face processor){both}"
             )
         self.family = None if settings.processor is None else family_of(settings.processor)
         environment = WorkerConfig.from_environment(settings.num_workers)
@@ -293,7 +291,10 @@ class Loader:
         tile_budget = self.max_tiles_per_pack or 0
         tokens = tiles = 0.0
         for entry in entries:
-            images = [self.tokenize.image_numbers(w, h) for w, h in entry.get("images", [])]
+            try:
+                images = [self.tokenize.image_numbers(w, h) for w, h in entry.get("images", [])]
+            except UnusableImage:
+                continue  # skipped when it is read: an image the family refuses
             n_tiles = sum(units for units, _ in images)
             n_tokens = sum(t for _, t in images) + sum(entry.get("chars", [])) / per_text_token
             if tile_budget and n_tiles > tile_budget:

@@ -17,12 +17,13 @@ own rescale and normalise, which is exact because both are per-pixel.
 from __future__ import annotations
 
 import os
+from functools import cache
 from importlib import import_module
 from typing import Any
 
 import numpy as np
 
-from .images import image_members, open_image
+from .images import decode_each, open_image
 from .inputs import IMAGE_MARKER
 
 # processor class -> (module, family class); checked along the processor's class hierarchy
@@ -32,14 +33,6 @@ SUPPORTED = {
     "Qwen3VLProcessor": ("qwen", "QwenFamily"),
     "SmolVLMProcessor": ("smolvlm", "SmolVLMFamily"),
     "Idefics3Processor": ("smolvlm", "SmolVLMFamily"),
-}
-# batch["family"] -> (module, family class), for model_inputs
-_BY_NAME = {
-    "qwen2_vl": ("qwen", "QwenFamily"),
-    "qwen2_5_vl": ("qwen", "QwenFamily"),
-    "qwen3_vl": ("qwen", "QwenFamily"),
-    "smolvlm": ("smolvlm", "SmolVLMFamily"),
-    "idefics3": ("smolvlm", "SmolVLMFamily"),
 }
 
 
@@ -58,6 +51,13 @@ def load_processor(processor: Any) -> Any:
 
 def _family_class(module: str, name: str) -> type:
     return getattr(import_module(f".{module}", __package__), name)
+
+
+@cache
+def _by_name() -> dict[str, type]:
+    """batch["family"] -> its family class (each class lists the names it gives)."""
+    classes = {_family_class(*where) for where in SUPPORTED.values()}
+    return {name: cls for cls in classes for name in cls.names}
 
 
 def family_of(processor: Any):
@@ -83,7 +83,7 @@ def family_of(processor: Any):
 def content_items(text: str) -> list[dict]:
     """A stored message's content as a content list: each ``<image>`` marker an image item at
     its place, the text around it text items; a newline right after a marker is dropped
-    (the marker stood on a line of its own)."""
+    (the marker stood on a line of its own). Empty content is one empty text item."""
     items: list[dict] = []
     parts = text.split(IMAGE_MARKER)
     for n, part in enumerate(parts):
@@ -93,7 +93,7 @@ def content_items(text: str) -> list[dict]:
                 part = part[1:]
         if part:
             items.append({"type": "text", "text": part})
-    return items
+    return items or [{"type": "text", "text": ""}]  # an empty answer is still an answer
 
 
 def conversation(messages: list[dict]) -> list[dict]:
@@ -166,7 +166,7 @@ def normalise(units, table, affine=None, dtype=None):
     device = units.device
     formula = None
     if affine is not None:
-        key = (str(device), tuple(affine.flatten().tolist()), table.sum().item())
+        key = (str(device), affine.cpu().numpy().tobytes(), table.cpu().numpy().tobytes())
         if key not in _exact_formula:
             _exact_formula[key] = _pick_formula(table.to(device), affine.to(device))
         formula = _exact_formula[key]
@@ -192,13 +192,13 @@ def _pick_formula(table, affine):
 
 
 def decode_units(sample: dict, family: Any, out: Any) -> None:
-    """Decode a sample's images, in order, into ``out`` (their units, one after another),
-    checking each against the size in the sample's index entry."""
-    start = 0
-    for name, size in zip(image_members(sample), sample["__meta__"]["images"], strict=True):
-        count = family.image_cost(*size)
-        family.image_units(open_image(sample[name], size), out[start : start + count])
-        start += count
+    """Decode a sample's images into ``out``: the family's units, one image after another."""
+    decode_each(
+        sample,
+        out,
+        family.image_cost,
+        lambda data, size, part: family.image_units(open_image(data, size), part),
+    )
 
 
 def model_inputs(
@@ -212,8 +212,8 @@ def model_inputs(
     ``position_ids``) and ``use_cache=False`` (a cache would let packed samples attend to
     each other).
     """
-    family = batch.get("family")
-    if family not in _BY_NAME:
+    cls = _by_name().get(batch.get("family"))
+    if cls is None:
         raise ValueError(
             "model_inputs takes the batches of a Loader made with processor= (this batch has "
             "no model family); for the default tiling use input_ids, labels, position_ids "
@@ -236,8 +236,7 @@ def model_inputs(
         def normalised(units):
             return normalise(units, table, affine)
 
-        cls = _family_class(*_BY_NAME[family])
-        moved = {k: move(batch[k]) for k in getattr(cls, "device_fields", ())}
+        moved = {k: move(batch[k]) for k in cls.device_fields}
         fields = cls.model_fields({**batch, **moved}, move(units), normalised)
         if dtype is not None:
             fields["pixel_values"] = fields["pixel_values"].to(dtype)

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from .images import UnusableImage
+
 _NAMES = {
     "Qwen2VLProcessor": "qwen2_vl",
     "Qwen2_5_VLProcessor": "qwen2_5_vl",
@@ -35,7 +37,7 @@ def smart_resize(
     """``(height, width)`` the Qwen processors resize an image to: multiples of ``factor``,
     an area within ``[min_pixels, max_pixels]``, the aspect ratio kept as closely as may be."""
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(
+        raise UnusableImage(
             f"an image of {width}x{height} has an aspect ratio over 200, which the Qwen "
             "processors refuse"
         )
@@ -82,6 +84,7 @@ def mrope_positions(
 class QwenFamily:
     """Qwen2-VL, Qwen2.5-VL and Qwen3-VL, with the numbers of the processor given."""
 
+    names = tuple(_NAMES.values())  # what batch["family"] says
     device_fields = ("image_grid_thw",)  # batch tensors model_fields hands to the model
 
     def __init__(self, processor: Any):

@@ -135,6 +135,14 @@ class LoaderSettings:
                 f"on_shard_error must be 'raise' or 'skip', not {self.on_shard_error!r}"
             )
         check_context(self.multiprocessing_context)
+        if self.processor is not None:  # the processor decides these: refuse what is ignored
+            tiling = ["image_token", "tile_size", "max_image_side", "upscale", "tokens_per_tile"]
+            given = [n for n in tiling if getattr(self, n) != _DEFAULTS[n]]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} set together with processor=: the processor decides "
+                    "the image sizes and image tokens, so these apply only without it"
+                )
         if self.storage_options is not None:  # a copy: a caller's later change cannot leak in
             object.__setattr__(self, "storage_options", dict(self.storage_options))
 
@@ -150,6 +158,9 @@ class LoaderSettings:
     def shaping(self) -> dict[str, Any]:
         """The settings that decide which batches come, by name."""
         return {f.name: getattr(self, f.name) for f in fields(self) if shapes_batches(f.name)}
+
+
+_DEFAULTS = {f.name: f.default for f in fields(LoaderSettings)}
 
 
 def shapes_batches(name: str) -> bool:

@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 class SmolVLMFamily:
     """Image costs, token ids and uint8 tiles for a SmolVLMProcessor or Idefics3Processor."""
 
-    name = "smolvlm"
+    names = ("smolvlm", "idefics3")  # what batch["family"] says
+    device_fields = ()  # batch tensors model_fields hands to the model
 
     def __init__(self, processor: Any):
         from PIL import Image

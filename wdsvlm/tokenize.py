@@ -20,6 +20,7 @@ import copy
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +28,14 @@ import jinja2
 import numpy as np
 
 from .errors import TemplateError
-from .images import ImageConfig, UnreadableImage, image_members, image_size, tile_count
+from .images import (
+    ImageConfig,
+    UnreadableImage,
+    UnusableImage,
+    image_members,
+    image_size,
+    tile_count,
+)
 from .inputs import IMAGE_MARKER
 from .processors import conversation
 from .stats import SkipStats
@@ -59,18 +67,27 @@ def load_tokenizer(tokenizer: Any):
         raise ValueError(f"cannot load the tokenizer {str(tokenizer)!r}: {e}") from None
 
 
+# Image sizes whose costs and token ids stand for a processor's settings in fingerprint().
+_PROBE_SIZES = [(1, 1), (64, 48), (640, 480), (300, 1700), (1600, 900)]
 # A conversation every chat template renders: used once to find out whether it compiles.
 _PROBE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
 
 
-def check_template(tokenizer, template: str) -> None:
+def check_template(tokenizer, template: str, content_lists: bool = False) -> None:
     """Refuse a chat template that transformers cannot compile (a syntax error is the
-    template's fault, not a sample's), naming where it fails."""
+    template's fault, not a sample's), naming where it fails; with ``content_lists``, one
+    that cannot render messages whose content is a list of items (a model family's)."""
+    probe = conversation(_PROBE) if content_lists else _PROBE
     try:
-        tokenizer.apply_chat_template(_PROBE, chat_template=template, tokenize=False)
+        tokenizer.apply_chat_template(probe, chat_template=template, tokenize=False)
     except jinja2.TemplateSyntaxError as e:
         raise TemplateError(
             f"the chat template does not compile (line {e.lineno}: {e.message})"
+        ) from None
+    except TypeError as e:
+        raise TemplateError(
+            f"the chat template cannot render content lists ({e}); a model family's "
+            "processor needs its own chat template (processor.chat_template)"
         ) from None
     except jinja2.TemplateError:
         pass  # it compiles; it refuses this conversation, as it may refuse a sample
@@ -148,7 +165,7 @@ class Tokenize:
         self.stats = stats if stats is not None else SkipStats()
         # Special tokens longest first: the end-of-turn token is the one right after an answer.
         self._specials = sorted(set(tok.all_special_tokens), key=len, reverse=True)
-        check_template(tok, template)
+        check_template(tok, template, content_lists=family is not None)
 
     def fingerprint(self) -> str:
         """A short hash of the tokenizer in use (its vocabulary, added tokens included, and
@@ -158,9 +175,14 @@ class Tokenize:
 
         tok = self.tokenizer
         facts = [sorted(tok.get_vocab().items()), sorted(tok.all_special_tokens)]
-        if self.family is not None:  # and the processor's image settings
-            image = self.family.image_processor.to_dict()
-            facts += [self.family.name, json.dumps(image, sort_keys=True, default=str)]
+        if self.family is not None:  # and what the processor makes of images
+            family = self.family
+            image = family.image_processor.to_dict()
+            facts += [family.name, json.dumps(image, sort_keys=True, default=str)]
+            facts += [  # settings of the processor itself too (SmolVLM's image_seq_len, ...)
+                [family.image_cost(w, h), family.image_token_ids(w, h).tolist()]
+                for w, h in _PROBE_SIZES
+            ]
         return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
 
     def render(self, messages: list[dict], where: str = "a conversation") -> str:
@@ -172,7 +194,7 @@ class Tokenize:
             return self.tokenizer.apply_chat_template(
                 messages, chat_template=self.chat_template, tokenize=False
             )
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError) as e:  # TypeError: content it cannot take
             raise TemplateError(
                 f"{where}: the chat template failed: {type(e).__name__}: {e}"
             ) from None
@@ -240,7 +262,7 @@ class Tokenize:
         except UnreadableImage as e:  # no index sizes, and an image header is unreadable
             self.stats.skip("tokenize", "undecodable_image", sample, str(e))
             return None
-        except ValueError as e:  # an image the family refuses (say, an extreme aspect ratio)
+        except UnusableImage as e:
             self.stats.skip("tokenize", "unusable_image", sample, str(e))
             return None
         markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
@@ -258,51 +280,91 @@ class Tokenize:
             for m in messages:
                 m["content"] = m["content"].replace(IMAGE_MARKER, self.image_token)
         try:
-            text = self.render(messages, f"{sample.get('__shard__')}/{sample.get('__key__')}")
+            key = f"{sample.get('__shard__')}/{sample.get('__key__')}"
+            text = self.render(messages, key)
         except TemplateError as e:  # the template refuses this conversation
             self.stats.skip("tokenize", "template_error", sample, str(e))
             return None
         try:
-            return text, self._supervised(text, messages), tiles
+            return text, self._supervised(text, messages, key), tiles
         except TemplateError as e:  # rendered, but the answers cannot be found in it
             self.stats.skip("tokenize", "template_mismatch", sample, str(e))
             return None
 
-    def _supervised(self, text: str, messages: list[dict]) -> list[tuple[int, int]]:
-        """Character ranges of the answers (and their end-of-turn token) in ``text``.
+    def _supervised(
+        self, text: str, messages: list[dict], where: str = "a conversation"
+    ) -> list[tuple[int, int]]:
+        """Character ranges of the answers' text (each answer's last piece with its
+        end-of-turn token) in ``text``.
 
-        Messages are found in order, each after the previous, so an answer quoted earlier in
-        a question is not mistaken for the answer.
+        Where each message's text lies is read off a second rendering with a placeholder in
+        place of each text piece (exact: a template's own text, such as a default system
+        turn, is never taken for a message's). A template that does not render messages
+        verbatim (it trims or rewrites them) is searched instead, each message after the
+        previous, so an answer quoted earlier in a question is not mistaken for the answer.
         """
-        ranges, pos = [], 0
-        for n, m in enumerate(messages, start=1):
-            content = m["content"]
-            texts = (
-                [content]
-                if isinstance(content, str)
-                else [i["text"] for i in content if i.get("type") == "text"]
+        pieces = [
+            (n, piece)
+            for n, m in enumerate(messages)
+            for piece in (
+                [m["content"]]
+                if isinstance(m["content"], str)
+                else [i["text"] for i in m["content"] if i.get("type") == "text"]
             )
-            found, at, end = True, -1, pos
-            for piece in texts:
-                where = text.find(piece, end)
-                if where < 0:
-                    found = False
-                    break
-                at = where if at < 0 else at
-                end = where + len(piece)
-            if not found or at < 0:
-                if m["role"] == "assistant":
-                    raise TemplateError(
-                        f"the chat template does not render assistant turn {n} "
-                        "verbatim, so its tokens cannot be found for the labels"
-                    )
-                continue  # e.g. a template that drops system turns
-            pos = end
-            if m["role"] == "assistant":
-                after = end + len(text[end:]) - len(text[end:].lstrip(" "))
-                eot = next((s for s in self._specials if text.startswith(s, after)), None)
-                ranges.append((at, after + len(eot) if eot else end))
+        ]
+        starts = self._placed(text, messages, pieces, where) or _searched(text, pieces)
+        ranges = []
+        for n, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            mine = [k for k, (owner, _) in enumerate(pieces) if owner == n]
+            if not mine or any(starts[k] is None for k in mine):
+                raise TemplateError(
+                    f"the chat template does not render assistant turn {n + 1} "
+                    "verbatim, so its tokens cannot be found for the labels"
+                )
+            for k in mine[:-1]:  # text pieces around images inside an answer
+                ranges.append((starts[k], starts[k] + len(pieces[k][1])))
+            at = starts[mine[-1]]
+            end = at + len(pieces[mine[-1]][1])
+            after = end + len(text[end:]) - len(text[end:].lstrip(" "))
+            eot = next((s for s in self._specials if text.startswith(s, after)), None)
+            ranges.append((at, after + len(eot) if eot else end))
         return ranges
+
+    def _placed(
+        self, text: str, messages: list[dict], pieces: list, where: str
+    ) -> list[int | None] | None:
+        """Where each text piece starts in ``text``, from a rendering with placeholders; None
+        when the template does not render the pieces verbatim."""
+        count = iter(range(len(pieces)))
+
+        def marked(content):
+            if isinstance(content, str):
+                return _SENTINEL.format(next(count))
+            return [
+                {**i, "text": _SENTINEL.format(next(count))} if i.get("type") == "text" else i
+                for i in content
+            ]
+
+        try:
+            skeleton = self.render(
+                [{**m, "content": marked(m["content"])} for m in messages], where
+            )
+        except TemplateError:
+            return None
+        starts: list[int | None] = [None] * len(pieces)
+        rebuilt, at = [], 0
+        for match in _SENTINEL_RE.finditer(skeleton):
+            k = int(match.group(1))
+            if k >= len(pieces) or starts[k] is not None:
+                return None  # a piece rendered twice: the template is not plain
+            rebuilt.append(skeleton[at : match.start()])
+            starts[k] = sum(map(len, rebuilt))
+            rebuilt.append(pieces[k][1])
+            at = match.end()
+        rebuilt.append(skeleton[at:])
+        return starts if "".join(rebuilt) == text else None
 
     def _encode(self, batch: list[dict], track: bool = True) -> Iterator[dict]:
         """Tokenized ``batch``; ``track``: keep what is not yet yielded in ``held()``."""
@@ -349,6 +411,24 @@ class Tokenize:
     def held(self) -> list[dict]:
         """The samples taken in and not yet yielded (the rest of the batch being encoded)."""
         return list(getattr(self, "_rest", []))
+
+
+# A text piece's stand-in in the placeholder rendering (private-use characters: no template
+# or tokenizer gives them a meaning).
+_SENTINEL = "\ue000{}\ue001"
+_SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
+
+
+def _searched(text: str, pieces: list[tuple[int, str]]) -> list[int | None]:
+    """Where each piece starts in ``text``, searched in order, each after the previous one
+    found (None for a piece not found: a template may drop a system turn)."""
+    starts: list[int | None] = []
+    pos = 0
+    for _, piece in pieces:
+        at = text.find(piece, pos)
+        starts.append(None if at < 0 else at)
+        pos = pos if at < 0 else at + len(piece)
+    return starts
 
 
 def _expand(
