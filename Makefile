@@ -1,6 +1,6 @@
 # make demo: set up .venv and run the main job on shards_example/
 # make test: set up .venv and run the linter and the test suite
-# make test-fast: the same without the tests that start real processes (under a minute)
+# make test-fast: the same without the tests that start real processes (about 80 s)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
