@@ -172,3 +172,15 @@ def test_balanced_batches_even_out_the_vision_load():
     list(stage(iter([[{"image_tiles": [t]}] for t in tiles])))
     in_order = [sum(tiles[i : i + 8]) for i in range(0, 800, 8)]
     assert stage.cv < 0.6 * tiles_cv(len(in_order), sum(in_order), sum(x * x for x in in_order))
+
+
+def test_a_fill_holding_the_largest_sample_is_preferred_when_nearly_as_full():
+    from wdsvlm.pack import best_fill, with_partner
+
+    tokens, tiles = [5, 5, 5, 5, 19], [0] * 5
+    best = best_fill(tokens, tiles, 20, 10)
+    assert best == [0, 1, 2, 3]  # exactly full, of small samples
+    assert with_partner(tokens, tiles, 20, 10, best, slack=1) == [4]  # 19 of 20, the large one
+    assert with_partner(tokens, tiles, 20, 10, best, slack=0) == best  # not within the slack
+    # the partner must fit the tile budget too
+    assert with_partner(tokens, [0, 0, 0, 0, 11], 20, 10, best, slack=1) == best
