@@ -212,7 +212,7 @@ def main() -> None:
         lengths = (2048, 4096, 8192)
     else:
         mix = realistic_mix(args.samples, args.seed)
-        max_units, lengths = MAX_TILES_PER_PACK, (1024, 2048, 4096)
+        max_units, lengths = MAX_TILES_PER_PACK, (1024, 2048, 4096, 8192)
     random.Random(args.seed).shuffle(mix)
     per_sample = pipeline_seconds_per_sample()
     print(f"{args.samples} samples; padding fraction by strategy (lower is better):\n")
