@@ -173,6 +173,7 @@ class Loader:
             max_tiles_per_pack=self.max_tiles_per_pack,
             window=settings.pack_window,
             truncate=settings.truncate,
+            unit="tiles" if self.family is None else self.family.unit_name,
         )
         self.balance = BalanceBatches(settings.batch_size)
         # a multiple of the workers, so that each gives the same number of batches an epoch

@@ -301,6 +301,7 @@ class Pack:
     key): a drop is good data outside the budgets, not a failure, so it is not "skipped".
     With ``truncate=True`` a sample that is only too long is cut after its last whole answer
     that fits instead (``truncate_at_answer``; counted in ``pack_stats.truncated``).
+    ``unit`` names the vision units in messages: tiles, or a model family's patches.
     """
 
     def __init__(
@@ -310,8 +311,10 @@ class Pack:
         max_tiles_per_pack: int | None = None,
         window: int = 500,
         truncate: bool = False,
+        unit: str = "tiles",
     ):
         self.truncate = truncate
+        self.unit = unit
         self.max_length = max_length
         self.max_tiles_per_pack = max_tiles_per_pack
         self.window = window
@@ -343,9 +346,9 @@ class Pack:
                 packer.stats.drop(
                     reason,
                     sample,
-                    f"{tokens} tokens, {tiles} tiles; a pack holds {self.max_length} tokens"
+                    f"{tokens} tokens, {tiles} {self.unit}; a pack holds {self.max_length} tokens"
                     + (
-                        f" and {self.max_tiles_per_pack} tiles"
+                        f" and {self.max_tiles_per_pack} {self.unit}"
                         if self.max_tiles_per_pack is not None
                         else ""
                     ),

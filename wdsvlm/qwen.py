@@ -85,6 +85,7 @@ class QwenFamily:
     """Qwen2-VL, Qwen2.5-VL and Qwen3-VL, with the numbers of the processor given."""
 
     names = tuple(_NAMES.values())  # what batch["family"] says
+    unit_name = "patches"  # what a vision unit is, in messages
     device_fields = ("image_grid_thw",)  # batch tensors model_fields hands to the model
 
     def __init__(self, processor: Any):

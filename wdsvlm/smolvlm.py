@@ -48,6 +48,7 @@ class SmolVLMFamily:
     """Image costs, token ids and uint8 tiles for a SmolVLMProcessor or Idefics3Processor."""
 
     names = ("smolvlm", "idefics3")  # what batch["family"] says
+    unit_name = "tiles"  # what a vision unit is, in messages
     device_fields = ()  # batch tensors model_fields hands to the model
 
     def __init__(self, processor: Any):
