@@ -184,3 +184,5 @@ def test_a_fill_holding_the_largest_sample_is_preferred_when_nearly_as_full():
     assert with_partner(tokens, tiles, 20, 10, best, slack=0) == best  # not within the slack
     # the partner must fit the tile budget too
     assert with_partner(tokens, [0, 0, 0, 0, 11], 20, 10, best, slack=1) == best
+    # a fill that holds a sample as large already stays (no swap for nothing)
+    assert with_partner([5, 5, 5], [1, 0, 0], 10, 1, [1, 2], slack=0) == [1, 2]

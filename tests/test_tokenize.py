@@ -165,6 +165,21 @@ def test_a_template_that_alters_answers_is_reported():
     assert len(out) == 1 and stats.counts == {"template_mismatch": 1}
 
 
+def test_a_template_that_trims_still_labels_the_answer_not_its_quote_in_the_question():
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
+        "<|im_end|>\n{% endfor %}"
+    )
+    stage = Tokenize(TOKENIZER, chat_template=template)
+    for question, answer in [
+        ("Reply with Yes. and nothing else: Yes. ", "Yes."),
+        ("Pick (a) or (b) ", "a"),
+    ]:
+        (out,) = stage.encode([sample_of(qa(question, answer))])
+        supervised = out["input_ids"][out["labels"] != -100]
+        assert stage.tokenizer.decode(supervised) == answer + "<|im_end|>"
+
+
 def test_the_stage_pickles_for_worker_processes(example_samples):
     stage = Tokenize(TOKENIZER)
     stage.render(qa("a", "b"))

@@ -77,7 +77,7 @@ def with_partner(
     if not fits:
         return best
     partner = max(fits, key=lambda j: (tokens[j], -j))
-    if partner in best:
+    if any(tokens[i] == tokens[partner] for i in best):  # it holds one that large already
         return best
     others = [k for k in range(len(tokens)) if k != partner]
     fill = best_fill(

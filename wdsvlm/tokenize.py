@@ -300,8 +300,9 @@ class Tokenize:
         Where each message's text lies is read off a second rendering with a placeholder in
         place of each text piece (exact: a template's own text, such as a default system
         turn, is never taken for a message's). A template that does not render messages
-        verbatim (it trims or rewrites them) is searched instead, each message after the
-        previous, so an answer quoted earlier in a question is not mistaken for the answer.
+        verbatim (it trims or rewrites them) is searched instead, each piece after the
+        template's own text before it and after the previous piece, so an answer quoted
+        earlier in a question is not mistaken for the answer.
         """
         pieces = [
             (n, piece)
@@ -312,12 +313,16 @@ class Tokenize:
                 else [i["text"] for i in m["content"] if i.get("type") == "text"]
             )
         ]
-        starts = self._placed(text, messages, pieces, where) or _searched(text, pieces)
+        skeleton = self._skeleton(messages, len(pieces), where)
+        starts = _placed(text, skeleton, pieces) or _searched(text, pieces, skeleton)
+        by_message: dict[int, list[int]] = {}
+        for k, (owner, _) in enumerate(pieces):
+            by_message.setdefault(owner, []).append(k)
         ranges = []
         for n, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            mine = [k for k, (owner, _) in enumerate(pieces) if owner == n]
+            mine = by_message.get(n, [])
             if not mine or any(starts[k] is None for k in mine):
                 raise TemplateError(
                     f"the chat template does not render assistant turn {n + 1} "
@@ -332,12 +337,10 @@ class Tokenize:
             ranges.append((at, after + len(eot) if eot else end))
         return ranges
 
-    def _placed(
-        self, text: str, messages: list[dict], pieces: list, where: str
-    ) -> list[int | None] | None:
-        """Where each text piece starts in ``text``, from a rendering with placeholders; None
-        when the template does not render the pieces verbatim."""
-        count = iter(range(len(pieces)))
+    def _skeleton(self, messages: list[dict], n_pieces: int, where: str) -> str | None:
+        """The conversation rendered with the placeholder of piece k in place of each text
+        piece k; None when the template refuses it."""
+        count = iter(range(n_pieces))
 
         def marked(content):
             if isinstance(content, str):
@@ -348,23 +351,9 @@ class Tokenize:
             ]
 
         try:
-            skeleton = self.render(
-                [{**m, "content": marked(m["content"])} for m in messages], where
-            )
+            return self.render([{**m, "content": marked(m["content"])} for m in messages], where)
         except TemplateError:
             return None
-        starts: list[int | None] = [None] * len(pieces)
-        rebuilt, at = [], 0
-        for match in _SENTINEL_RE.finditer(skeleton):
-            k = int(match.group(1))
-            if k >= len(pieces) or starts[k] is not None:
-                return None  # a piece rendered twice: the template is not plain
-            rebuilt.append(skeleton[at : match.start()])
-            starts[k] = sum(map(len, rebuilt))
-            rebuilt.append(pieces[k][1])
-            at = match.end()
-        rebuilt.append(skeleton[at:])
-        return starts if "".join(rebuilt) == text else None
 
     def _encode(self, batch: list[dict], track: bool = True) -> Iterator[dict]:
         """Tokenized ``batch``; ``track``: keep what is not yet yielded in ``held()``."""
@@ -419,12 +408,45 @@ _SENTINEL = "\ue000{}\ue001"
 _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
 
 
-def _searched(text: str, pieces: list[tuple[int, str]]) -> list[int | None]:
-    """Where each piece starts in ``text``, searched in order, each after the previous one
-    found (None for a piece not found: a template may drop a system turn)."""
+def _placed(text: str, skeleton: str | None, pieces: list) -> list[int | None] | None:
+    """Where each text piece starts in ``text``, read off the placeholder rendering; None
+    when the template does not render the pieces verbatim (the rebuilt text differs)."""
+    if skeleton is None:
+        return None
+    starts: list[int | None] = [None] * len(pieces)
+    rebuilt, at, length = [], 0, 0
+    for match in _SENTINEL_RE.finditer(skeleton):
+        k = int(match.group(1))
+        if k >= len(pieces) or starts[k] is not None:
+            return None  # a piece rendered twice: the template is not plain
+        lead = skeleton[at : match.start()]
+        starts[k] = length + len(lead)
+        rebuilt += [lead, pieces[k][1]]
+        length += len(lead) + len(pieces[k][1])
+        at = match.end()
+    rebuilt.append(skeleton[at:])
+    return starts if "".join(rebuilt) == text else None
+
+
+def _searched(
+    text: str, pieces: list[tuple[int, str]], skeleton: str | None = None
+) -> list[int | None]:
+    """Where each piece starts in ``text``, searched in order: after the previous piece
+    found and, where the placeholder rendering says what template text comes right before
+    the piece, after that text (None for a piece not found: a template may drop a system
+    turn)."""
+    lead: dict[int, str] = {}
+    if skeleton is not None:
+        parts = _SENTINEL_RE.split(skeleton)  # template text, piece number, template text, ...
+        for i in range(1, len(parts), 2):
+            lead.setdefault(int(parts[i]), parts[i - 1])
     starts: list[int | None] = []
     pos = 0
-    for _, piece in pieces:
+    for k, (_, piece) in enumerate(pieces):
+        before = lead.get(k)
+        if before:
+            at = text.find(before, pos)
+            pos = pos if at < 0 else at + len(before)
         at = text.find(piece, pos)
         starts.append(None if at < 0 else at)
         pos = pos if at < 0 else at + len(piece)
