@@ -139,7 +139,7 @@ def test_the_placeholder_is_what_the_chat_template_renders_for_an_image(family_n
 def test_no_batch_fields_and_no_model_fields_without_images():
     family = SmolVLMFamily(published())
     samples = [{"__meta__": {"images": [[10, 10]]}, "image_tiles": [17]}]
-    assert family.batch_fields(samples) == {}
+    assert family.batch_fields([samples], {}) == {}
 
     def keep(units):
         return units

@@ -267,29 +267,22 @@ def run_bench(
             storage_options=storage_options,
         )
 
-    results = side_by_side(
+    return side_by_side(
         source,
         lambda urls: naive_pipeline(urls, tokenize, max_length, batch_size, storage_options),
         loader,
         workers=workers,
         limit=limit,
-        storage_options=storage_options,
-        show_progress=show_progress,
-    )
-    return {
-        "source": source,
-        "settings": {
+        settings={
             "max_length": max_length,
             "batch_size": batch_size,
-            "workers": workers,
-            "naive_workers": results.pop("naive_workers"),
-            "limit": limit,
             "tile_size": config.tile_size,
             "max_image_side": config.max_image_side,
             "tokens_per_tile": tokens_per_tile,
         },
-        **results,
-    }
+        storage_options=storage_options,
+        show_progress=show_progress,
+    )
 
 
 def side_by_side(
@@ -299,6 +292,7 @@ def side_by_side(
     *,
     workers: int,
     limit: int | None,
+    settings: Mapping[str, Any],
     storage_options: Mapping[str, Any] | None = None,
     show_progress: bool = True,
     each=None,
@@ -306,9 +300,9 @@ def side_by_side(
     """Time the naive pipeline that ``make_naive(urls)`` makes of the source's shards
     (batches, in a DataLoader with ``workers`` workers, at most one a shard), then the Loader
     that ``make_loader()`` makes (timed from before it is made: its set-up counts;
-    ``each(batch)`` is called on every batch inside the timing): ``naive``, ``wdsvlm``, their
-    ``ratios`` (wdsvlm over naive, None where the naive side gave nothing) and
-    ``naive_workers``."""
+    ``each(batch)`` is called on every batch inside the timing): the ``source``, its
+    ``settings`` (the caller's, with the workers and the limit), ``naive``, ``wdsvlm`` and
+    their ``ratios`` (wdsvlm over naive, None where the naive side gave nothing)."""
     from torch.utils.data import DataLoader
 
     from .plan import resolve_source
@@ -336,6 +330,13 @@ def side_by_side(
         return ours[name] / naive[name]
 
     return {
+        "source": source,
+        "settings": {
+            **settings,
+            "workers": workers,
+            "naive_workers": naive_workers,
+            "limit": limit,
+        },
         **results,
         "ratios": {
             name: ratio(name)
@@ -346,7 +347,6 @@ def side_by_side(
                 "first_batch_s",
             )
         },
-        "naive_workers": naive_workers,
     }
 
 

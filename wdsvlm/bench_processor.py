@@ -233,32 +233,25 @@ def run_processor_bench(
             storage_options=storage_options,
         )
 
-    results = side_by_side(
+    ip = processor.image_processor
+    return side_by_side(
         source,
         lambda urls: processor_pipeline(urls, processor, max_length, batch_size, storage_options),
         loader,
         workers=workers,
         limit=limit,
-        storage_options=storage_options,
-        show_progress=show_progress,
-        each=_normalised if model_inputs else None,
-    )
-    ip = processor.image_processor
-    return {
-        "source": source,
-        "settings": {
+        settings={
             "processor": type(processor).__name__,
             "image_processor": type(ip).__name__,
             "image_size": dict(ip.size) if getattr(ip, "size", None) else None,
             "max_length": max_length,
             "batch_size": batch_size,
-            "workers": workers,
-            "naive_workers": results.pop("naive_workers"),
-            "limit": limit,
             "model_inputs": model_inputs,
         },
-        **results,
-    }
+        storage_options=storage_options,
+        show_progress=show_progress,
+        each=_normalised if model_inputs else None,
+    )
 
 
 def processor_bench_table(result: dict) -> str:

@@ -334,32 +334,28 @@ def _bench(args: argparse.Namespace) -> None:
         raise ValueError("give --tokenizer T or --processor P (one of them)")
     if args.batches_only and args.processor is None:
         raise ValueError("--batches-only goes with --processor")
+    sizes = {
+        "max_length": args.max_length,
+        "batch_size": args.batch_size,
+        "workers": args.workers,
+        "limit": args.limit,
+    }
     if args.processor is not None:
         from .bench_processor import processor_bench_table, run_processor_bench
 
         result = run_processor_bench(
             args.source,
             args.processor,
-            max_length=args.max_length,
-            batch_size=args.batch_size,
-            workers=args.workers,
-            limit=args.limit,
+            **sizes,
             storage_options=args.storage_options,
             show_progress=not args.quiet,
             model_inputs=not args.batches_only,
         )
-        print(json.dumps(result, indent=2) if args.json else processor_bench_table(result))
-        return
-    result = run_bench(
-        args.source,
-        args.tokenizer,
-        max_length=args.max_length,
-        batch_size=args.batch_size,
-        workers=args.workers,
-        limit=args.limit,
-        **_reading(args),
-    )
-    print(json.dumps(result, indent=2) if args.json else bench_table(result))
+        table = processor_bench_table
+    else:
+        result = run_bench(args.source, args.tokenizer, **sizes, **_reading(args))
+        table = bench_table
+    print(json.dumps(result, indent=2) if args.json else table(result))
 
 
 def _one_line(error: BaseException) -> str:

@@ -80,10 +80,7 @@ class Collate:
             batch["family"] = family.name
             batch["pixel_table"] = self._table
             batch["pixel_affine"] = self._affine
-            batch.update(family.batch_fields([s for row in rows for s in row]))
-            if hasattr(family, "position_rows"):
-                text = batch["position_ids"].numpy()
-                batch["position_ids"] = torch.from_numpy(family.position_rows(rows, text))
+            batch.update(family.batch_fields(rows, batch))
         return batch
 
     def _fill(self, sample: dict, out: torch.Tensor) -> None:

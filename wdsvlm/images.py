@@ -314,29 +314,22 @@ class DecodeImages:
             yield sample
 
     def _decode(self, sample: dict, names: list[str], sizes: list | None):
-        """All tiles of a sample in one uint8 tensor, written in place image by image."""
-        import torch
-
-        tile = self.config.tile_size
-        if self.family is not None:
+        """All tiles (or a family's units) of a sample in one uint8 tensor, written in place
+        image by image."""
+        if sizes is None:  # no index entry: the sizes from the image headers
+            sizes = [list(image_size(sample[name])) for name in names]
+            sample.setdefault("__meta__", {})["images"] = sizes
+        family, config = self.family, self.config
+        if family is not None:
             from .processors import decode_units
 
-            if sizes is None:  # no index entry: the sizes from the image headers
-                sizes = [list(image_size(sample[name])) for name in names]
-                sample.setdefault("__meta__", {})["images"] = sizes
-            counts = [self.family.image_cost(w, h) for w, h in sizes]
-            pixels = uint8_tiles(sum(counts), self.family.unit_size)
-            decode_units(sample, self.family, pixels)
-            for name in names:
-                del sample[name]
-            return pixels, counts
-        if sizes is None:  # no index sizes: decode, then join (the DataLoader shares it)
-            per_image = [image_tiles(sample.pop(name), self.config) for name in names]
-            empty = torch.empty((0, 3, tile, tile), dtype=torch.uint8)
-            return torch.cat([empty, *per_image]), [len(t) for t in per_image]
-        counts = [tile_count(w, h, self.config) for w, h in sizes]
-        pixels = uint8_tiles(sum(counts), tile)
-        decode_into(sample, self.config, pixels)
+            counts = [family.image_cost(w, h) for w, h in sizes]
+            pixels = uint8_tiles(sum(counts), family.unit_size)
+            decode_units(sample, family, pixels)
+        else:
+            counts = [tile_count(w, h, config) for w, h in sizes]
+            pixels = uint8_tiles(sum(counts), config.tile_size)
+            decode_into(sample, config, pixels)
         for name in names:
             del sample[name]
         return pixels, counts

@@ -168,29 +168,29 @@ class QwenFamily:
             resample=self.resample,
         )
 
-    def batch_fields(self, samples: list[dict]) -> dict:
+    def batch_fields(self, rows: list[list[dict]], batch: dict) -> dict:
+        """``image_grid_thw`` in image-token order, and ``position_ids`` ``[4, B, L]``: the
+        batch's text positions, then each sample's own mRoPE positions (padding keeps its
+        text positions on all rows)."""
         import torch
 
-        grids = [self.grid(w, h) for s in samples for w, h in s["__meta__"]["images"]]
-        return {
-            "image_grid_thw": torch.tensor(grids, dtype=torch.long).reshape(-1, 3),
-            "temporal_patch_size": self.temporal_patch_size,
-        }
-
-    def position_rows(self, rows: list[list[dict]], text_positions: np.ndarray) -> np.ndarray:
-        """``[4, B, L]``: the text positions, then each sample's own mRoPE positions
-        (padding keeps its text positions on all rows)."""
-        out = np.repeat(text_positions[None], 4, axis=0)
+        positions = np.repeat(batch["position_ids"].numpy()[None], 4, axis=0)
+        grids: list[tuple[int, int, int]] = []
         for r, row in enumerate(rows):
             at = 0
             for sample in row:
                 n = len(sample["input_ids"])
-                grids = [self.grid(w, h) for w, h in sample["__meta__"]["images"]]
-                out[1:, r, at : at + n] = mrope_positions(
-                    sample["input_ids"], grids, self.image_token_id, self.merge_size
+                mine = [self.grid(w, h) for w, h in sample["__meta__"]["images"]]
+                positions[1:, r, at : at + n] = mrope_positions(
+                    sample["input_ids"], mine, self.image_token_id, self.merge_size
                 )
+                grids += mine
                 at += n
-        return out
+        return {
+            "image_grid_thw": torch.tensor(grids, dtype=torch.long).reshape(-1, 3),
+            "temporal_patch_size": self.temporal_patch_size,
+            "position_ids": torch.from_numpy(positions),
+        }
 
     @staticmethod
     def model_fields(batch: dict, units: Any, normalised: Any) -> dict:

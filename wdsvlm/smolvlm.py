@@ -185,7 +185,7 @@ class SmolVLMFamily:
 
         return x if self.torch_backend else torch.from_numpy(np.array(x)).permute(2, 0, 1)
 
-    def batch_fields(self, samples: list[dict]) -> dict:
+    def batch_fields(self, rows: list[list[dict]], batch: dict) -> dict:
         """Nothing: every tile is S x S, so there is no padding and no pixel_attention_mask."""
         return {}
 
