@@ -247,8 +247,8 @@ def test_the_public_stages_take_a_family_and_give_what_the_processor_gives(sampl
     )
     table = pixel_table(family.image_processor)
 
-    def normaliser(units):
-        return normalise(units, table)
+    def normaliser(units, out=None):
+        return normalise(units, table, out=out)
 
     checked = 0
     for sample, _ in zip(pipe, range(12), strict=False):

@@ -153,9 +153,9 @@ _FORMULAS = (_rescale_then_normalise, _fused)
 _exact_formula: dict[tuple, Any] = {}  # (device, affine) -> the formula equal to the table
 
 
-def normalise(units, table, affine=None, dtype=None):
+def normalise(units, table, affine=None, dtype=None, out=None):
     """uint8 units ``[N, 3, S, S]`` to the processor's normalised values (float32), on their
-    device.
+    device; written into ``out`` (float32, that shape, any strides) when given.
 
     The table (``pixel_table``) is the truth. Arithmetic on ``affine`` (``pixel_affine``)
     is used instead where, checked once per device on all 256 values of each channel, it
@@ -173,11 +173,14 @@ def normalise(units, table, affine=None, dtype=None):
     if formula is None:
         table = table.to(device)
         channel = torch.arange(3, device=device).view(1, 3, 1, 1)
-        out = table[channel, units.long()]
+        values = table[channel, units.long()]
+        if out is not None:
+            values = out.copy_(values)
     else:
         divisor, mean, std = (a.to(device).view(1, 3, 1, 1) for a in affine)
-        out = formula(units.to(torch.float32), divisor, mean, std)
-    return out if dtype is None else out.to(dtype)
+        values = units.to(torch.float32) if out is None else out.copy_(units)
+        values = formula(values, divisor, mean, std)
+    return values if dtype is None else values.to(dtype)
 
 
 def _pick_formula(table, affine):
@@ -233,8 +236,8 @@ def model_inputs(
     if len(units):
         table, affine = batch["pixel_table"], batch.get("pixel_affine")
 
-        def normalised(units):
-            return normalise(units, table, affine)
+        def normalised(units, out=None):
+            return normalise(units, table, affine, out=out)
 
         moved = {k: move(batch[k]) for k in cls.device_fields}
         fields = cls.model_fields({**batch, **moved}, move(units), normalised)
