@@ -25,7 +25,6 @@ run.
 from __future__ import annotations
 
 import argparse
-import bisect
 import math
 import os
 import random
@@ -36,9 +35,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from wdsvlm.pack import Packer  # noqa: E402
+from wdsvlm.pack import best_fit_decreasing as bfd_packs  # noqa: E402
 
 TOKENS_PER_TILE = 64
 MAX_TILES_PER_PACK = 64
+LENGTHS = (1024, 2048, 4096, 8192)
 
 
 def realistic_mix(n: int, seed: int) -> list[tuple[int, int]]:
@@ -130,21 +131,9 @@ def greedy(samples, length, max_tiles):
 
 
 def best_fit_decreasing(samples, length, max_tiles):
-    rooms: list[tuple[int, int]] = []  # (token room, bin id), sorted
-    tile_rooms: list[int] = []
-    for t, k in sorted(samples, reverse=True):
-        i = bisect.bisect_left(rooms, (t, -1))
-        while i < len(rooms) and tile_rooms[rooms[i][1]] < k:
-            i += 1
-        if i == len(rooms):
-            bin_id = len(tile_rooms)
-            tile_rooms.append(max_tiles)
-            room = length
-        else:
-            room, bin_id = rooms.pop(i)
-        tile_rooms[bin_id] -= k
-        bisect.insort(rooms, (room - t, bin_id))
-    return padding(sum(t for t, _ in samples), len(tile_rooms), length)
+    tokens, tiles = [t for t, _ in samples], [k for _, k in samples]
+    packs = bfd_packs(tokens, tiles, length, max_tiles)
+    return padding(sum(tokens), len(packs), length)
 
 
 def streaming(samples, length, max_tiles, window):
@@ -156,6 +145,74 @@ def streaming(samples, length, max_tiles, window):
     packs += packer.drain()
     seconds = time.perf_counter() - start
     return 1 - packer.stats.fill, seconds / len(samples), packs
+
+
+def pass_end_share(n: int, length: int, seed: int) -> list[tuple[int, int]]:
+    """One worker's share of a pass in the pass-end regime: a third of the samples 40-100%
+    of max_length (an image tile per 512 tokens), the rest the realistic mix's that fit."""
+    rng = random.Random(f"pass-end/{seed}/{length}")
+    rest = [s for s in realistic_mix(4 * n, seed) if s[0] <= length]
+    out = []
+    for i in range(n):
+        if i % 3 == 0:
+            tokens = rng.randint(int(0.4 * length), length)
+            out.append((tokens, min(MAX_TILES_PER_PACK, tokens // 512)))
+        else:
+            out.append(rest[i])
+    return out
+
+
+class _PackByPack(Packer):
+    """The packer as it drained before: one pack at a time, longest sample first."""
+
+    def drain(self):
+        while self.waiting:
+            yield self._emit()
+
+
+def pass_end(share, length, max_tiles, window, passes, packer_class=Packer):
+    """Padding of the packer over ``passes`` passes of one worker's share (reshuffled each
+    pass, the window drained at each pass end as the Loader's Pack drains it), and the
+    share of rows under 97% full."""
+    rng = random.Random(0)
+    packer = packer_class(length, max_tiles, window)
+    packs = []
+    for _ in range(passes):
+        order = list(share)
+        rng.shuffle(order)
+        for t, k in order:
+            packs += packer.push(t, t, k)
+        packs += packer.drain()
+    under = sum(1 for p in packs if sum(p) < 0.97 * length) / len(packs)
+    return 1 - packer.stats.fill, under
+
+
+def print_pass_end(window: int, seed: int, passes: int = 4) -> None:
+    print(
+        f"\npass ends: one worker's share of a pass, {window} samples (all in its window) or"
+        f" {2 * window}, a third 40-100% of max_length; {passes} passes, the window drained at"
+        " each pass end pack by pack (before) or by best-fit-decreasing (now), against"
+        " best-fit-decreasing over the same samples"
+    )
+    print(
+        f"{'share':>5} {'max_length':>10} {'bfd':>7} {'before':>7} {'wdsvlm':>7} "
+        f"{'wdsvlm-bfd':>10} {'rows <97% full: bfd':>20} {'before':>7} {'wdsvlm':>7}"
+    )
+    for size, length in [(n, length) for n in (window, 2 * window) for length in LENGTHS]:
+        share = pass_end_share(size, length, seed)
+        tokens, tiles = [t for t, _ in share], [k for _, k in share]
+        packs = bfd_packs(tokens, tiles, length, MAX_TILES_PER_PACK)
+        bfd = padding(sum(tokens), len(packs), length)
+        bfd_under = sum(1 for p in packs if sum(tokens[i] for i in p) < 0.97 * length)
+        before, before_under = pass_end(
+            share, length, MAX_TILES_PER_PACK, window, passes, _PackByPack
+        )
+        ours, under = pass_end(share, length, MAX_TILES_PER_PACK, window, passes)
+        print(
+            f"{size:>5} {length:>10} {bfd:7.2%} {before:7.2%} {ours:7.2%} "
+            f"{100 * (ours - bfd):+9.2f}pp "
+            f"{bfd_under / len(packs):20.1%} {before_under:7.1%} {under:7.1%}"
+        )
 
 
 def tiles_per_batch_cv(packs, tiles_of, balanced, batch=8):
@@ -212,7 +269,7 @@ def main() -> None:
         lengths = (2048, 4096, 8192)
     else:
         mix = realistic_mix(args.samples, args.seed)
-        max_units, lengths = MAX_TILES_PER_PACK, (1024, 2048, 4096, 8192)
+        max_units, lengths = MAX_TILES_PER_PACK, LENGTHS
     random.Random(args.seed).shuffle(mix)
     per_sample = pipeline_seconds_per_sample()
     print(f"{args.samples} samples; padding fraction by strategy (lower is better):\n")
@@ -245,6 +302,8 @@ def main() -> None:
     print(f"{'max_length':>10} {'balanced':>9} {'in pack order':>14}")
     for length, balanced, in_order in cvs:
         print(f"{length:>10} {balanced:9.3f} {in_order:14.3f}")
+    if not args.family:
+        print_pass_end(args.window, args.seed)
     print(f"\npipeline stages on shards_example: {per_sample * 1e3:.1f} ms per sample")
 
 

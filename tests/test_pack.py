@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wdsvlm.pack import Pack, Packer, best_fill
+from wdsvlm.pack import Pack, Packer, best_fill, best_fit_decreasing
 
 samples_strategy = st.lists(
     st.tuples(st.integers(1, 700), st.integers(0, 12)), min_size=0, max_size=150
@@ -186,3 +186,39 @@ def test_a_fill_holding_the_largest_sample_is_preferred_when_nearly_as_full():
     assert with_partner(tokens, [0, 0, 0, 0, 11], 20, 10, best, slack=1) == best
     # a fill that holds a sample as large already stays (no swap for nothing)
     assert with_partner([5, 5, 5], [1, 0, 0], 10, 1, [1, 2], slack=0) == [1, 2]
+
+
+def _drained(samples, max_length, max_tiles):
+    packer = Packer(max_length, max_tiles, window=len(samples) + 1)
+    for i, (tokens, tiles) in enumerate(samples):
+        assert packer.push(i, tokens, tiles) == []
+    one_by_one = packer._one_by_one(
+        [t for t, _ in samples], [k for _, k in samples], [0] * len(samples)
+    )
+    return list(packer.drain()), one_by_one
+
+
+@settings(max_examples=200, deadline=None)
+@given(samples_strategy, st.integers(700, 1024), st.integers(12, 40))
+def test_the_end_of_a_pass_drains_in_no_more_packs_than_best_fit_or_pack_by_pack(
+    samples, max_length, max_tiles
+):
+    packs, one_by_one = _drained(samples, max_length, max_tiles)
+    bfd = best_fit_decreasing(
+        [t for t, _ in samples], [k for _, k in samples], max_length, max_tiles
+    )
+    assert len(packs) == min(len(bfd), len(one_by_one))
+    assert sorted(i for pack in packs for i in pack) == list(range(len(samples)))
+    for pack in packs:
+        assert sum(samples[i][0] for i in pack) <= max_length
+        assert sum(samples[i][1] for i in pack) <= max_tiles
+
+
+def test_a_drain_by_best_fit_leaves_no_long_sample_stranded():
+    # one pack at a time takes the longest and the best fill of its room: 85 + 5 + ... leaves
+    # the mid-sized samples without partners (6 rows); best-fit-decreasing needs 5
+    samples = [(t, 0) for t in (85, 85, 50, 40, 40, 35, 35, 35, 25, 25, 5)]
+    packs, one_by_one = _drained(samples, 100, 10)
+    assert len(one_by_one) == 6
+    assert len(packs) == 5
+    assert sorted(i for pack in packs for i in pack) == list(range(len(samples)))
