@@ -1,34 +1,60 @@
-"""Plan: every sample once across all global workers, order from (seed, epoch) only."""
+"""Plan: one global order per pass from (sources, seed, pass) only, every planned sample once
+across all global workers of any topology, exact mixture counts per pass."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
-from wdsvlm.plan import Plan, WorkerConfig, epoch_order, worker_share, worker_spans
+from wdsvlm.mixture import Source, pass_counts
+from wdsvlm.plan import DataSource, Plan, WorkerConfig, worker_share
 
 from .conftest import EXAMPLE
 
 SHARD_SIZES = [3, 10, 1, 7, 5, 12, 2]  # 7 shards, uneven
 
 
-def fake_index(sizes=SHARD_SIZES, sample_bytes=1000):
+def fake_index(sizes=SHARD_SIZES, sample_bytes=1000, prefix="d"):
     shards = []
     for s, n in enumerate(sizes):
         entries = [
-            {"key": f"{s}-{e}", "offset": e * sample_bytes, "size": sample_bytes} for e in range(n)
+            {"key": f"{prefix}{s}-{e}", "offset": e * sample_bytes, "size": sample_bytes}
+            for e in range(n)
         ]
-        shards.append({"name": f"d-{s:06d}.tar", "samples": n, "entries": entries})
+        shards.append(
+            {"name": f"d-{s:06d}.tar", "samples": n, "bytes": n * sample_bytes, "entries": entries}
+        )
     return {"shards": shards, "totals": {"samples": sum(sizes)}}
 
 
-def keys_of(index, spans):
-    return [
-        index["shards"][sp["shard"]]["entries"][e]["key"] for sp in spans for e in sp["entries"]
-    ]
+def source(index, name="d", copies=1, extra=0):
+    urls = [f"memory://{name}/{s['name']}" for s in index["shards"]]
+    return DataSource(name, index, urls, copies=copies, extra=extra)
 
 
-def all_keys(index):
-    return sorted(e["key"] for s in index["shards"] for e in s["entries"])
+def plan_of(sources, world=1, workers=0, rank=0, seed=5, span_bytes=4000):
+    return Plan.of_sources(
+        sources,
+        mixture=len(sources) > 1,
+        seed=seed,
+        worker_config=WorkerConfig(rank, world, workers),
+        span_bytes=span_bytes,
+    )
+
+
+def keys_of(spans):
+    return [f"{sp['shard']}/{e['key']}" for sp in spans for e in sp["entries"]]
+
+
+def read_by_all(sources, world, workers, pass_=0, seed=5):
+    """Keys each global worker reads in a pass, in global-worker order."""
+    out = []
+    for rank in range(world):
+        plan = plan_of(sources, world, workers, rank, seed)
+        for w in range(plan.worker_config.workers_per_rank):
+            out.append(keys_of(plan.spans(pass_, plan.worker_config.global_worker(w))))
+    return out
 
 
 @pytest.mark.parametrize(
@@ -37,33 +63,35 @@ def all_keys(index):
 )
 def test_global_workers_together_read_every_sample_once(sizes, world, workers):
     index = fake_index(sizes)
-    seen = []
-    counts = []
-    for rank in range(world):
-        config = WorkerConfig(rank, world, workers)
-        for w in range(config.workers_per_rank):
-            got = keys_of(
-                index, worker_spans(index, 5, 0, config.global_worker(w), config.global_workers)
-            )
-            counts.append(len(got))
-            seen += got
-    assert sorted(seen) == all_keys(index)  # the union is the index, nobody twice
-    assert max(counts) - min(counts) <= 1  # shares differ by at most one sample
+    shares = read_by_all([source(index)], world, workers)
+    seen = [k for share in shares for k in share]
+    every = sorted(f"{s['name']}/{e['key']}" for s in index["shards"] for e in s["entries"])
+    assert sorted(seen) == every  # the union is the index, nobody twice
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1  # shares differ by at most one
 
 
-def test_order_depends_on_seed_and_epoch_only():
+def test_the_global_order_of_a_pass_is_the_same_on_every_topology():
     index = fake_index()
-    assert epoch_order(index, 1, 0) == epoch_order(index, 1, 0)
-    assert epoch_order(index, 1, 0) != epoch_order(index, 1, 1)
-    assert epoch_order(index, 1, 0) != epoch_order(index, 2, 0)
-    a = keys_of(index, worker_spans(index, 1, 3, 2, 6))
-    assert a == keys_of(index, worker_spans(index, 1, 3, 2, 6))
-    assert a != keys_of(index, worker_spans(index, 1, 4, 2, 6))
-    # shuffled at shard and sample level: the first shard and the order inside it vary
-    firsts = {epoch_order(index, 0, e)[0][0] for e in range(20)}
-    assert len(firsts) > 2
-    inside = {tuple(e for s, e in epoch_order(index, 0, ep) if s == 5) for ep in range(5)}
-    assert len(inside) > 1
+    orders = {
+        (world, workers): [
+            k for share in read_by_all([source(index)], world, workers, 3) for k in share
+        ]
+        for world, workers in [(1, 0), (1, 3), (2, 2), (3, 1), (5, 2)]
+    }
+    assert len({tuple(o) for o in orders.values()}) == 1
+
+
+def test_order_depends_on_seed_and_pass_only():
+    index = fake_index()
+
+    def order(seed, pass_):
+        return read_by_all([source(index)], 1, 0, pass_, seed)[0]
+
+    assert order(1, 0) == order(1, 0)
+    assert order(1, 0) != order(1, 1)
+    assert order(1, 0) != order(2, 0)
+    # chunks and samples inside them are shuffled: the first shard varies
+    assert len({order(0, p)[0].split("/")[0] for p in range(20)}) > 2
 
 
 def test_worker_shares_are_contiguous_and_near_equal():
@@ -71,19 +99,62 @@ def test_worker_shares_are_contiguous_and_near_equal():
     assert [worker_share(2, w, 4) for w in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
 
 
-def test_spans_are_single_ranged_reads_within_the_byte_bound():
+def test_spans_are_ranged_reads_of_one_chunk():
     index = fake_index([40], sample_bytes=1000)
-    spans = worker_spans(index, 0, 0, 0, 1, span_bytes=8000)
-    assert len(spans) == 5  # 40 adjacent samples of 1000 bytes, 8 per span
+    plan = plan_of([source(index)], span_bytes=8000)
+    spans = list(plan.spans(0, 0))
+    assert len(spans) == 5  # 40 adjacent samples of 1000 bytes, chunks of 8
     entries = index["shards"][0]["entries"]
     for span in spans:
         assert span["stop"] - span["start"] <= 8000
         for e in span["entries"]:
-            assert span["start"] <= entries[e]["offset"]
-            assert entries[e]["offset"] + entries[e]["size"] <= span["stop"]
-    # a far-apart pair (another worker's samples between) is two reads, not one
-    half = worker_spans(index, 0, 0, 0, 2, span_bytes=10**9)
-    assert sum(len(s["entries"]) for s in half) == 20
+            assert span["start"] <= e["offset"] and e["offset"] + e["size"] <= span["stop"]
+    assert sorted(e["key"] for sp in spans for e in sp["entries"]) == sorted(
+        e["key"] for e in entries
+    )
+    # places are the pass's global order, consecutive in reading order
+    assert [p for sp in spans for p in sp["positions"]] == list(range(40))
+
+
+def test_repeat_and_choose_give_exact_counts_per_pass_and_rotate_the_extra_copies():
+    sizes = [10, 7, 3]  # n = 20
+    assert pass_counts([20], [Source("a", repeat=0.5)]) == [(0, 10)]
+    assert pass_counts([20], [Source("a", repeat=2.25)]) == [(2, 5)]
+    assert pass_counts([20], [Source("a", choose=30)]) == [(1, 10)]
+    assert pass_counts([20], [Source("a", repeat=0.125)]) == [(0, 3)]  # 2.5 rounds up
+    index = fake_index(sizes)
+    for spec, copies, extra in [(Source("a", repeat=0.5), 0, 10), (Source("a", repeat=2.25), 2, 5)]:
+        assert pass_counts([20], [spec]) == [(copies, extra)]
+        plan = plan_of([source(index, copies=copies, extra=extra)])
+        extras = Counter()
+        for pass_ in range(4):
+            counts = Counter(keys_of(plan.spans(pass_, 0)))
+            assert sum(counts.values()) == copies * 20 + extra
+            assert set(counts.values()) <= {copies, copies + 1}
+            extras.update(k for k, c in counts.items() if c == copies + 1)
+            if (pass_ + 1) * extra % 20 == 0:  # a whole rotation: every sample once more
+                assert set(extras.values()) == {(pass_ + 1) * extra // 20}
+                assert len(extras) == 20
+
+
+def test_weights_split_samples_per_pass_and_mixing_forms_is_refused():
+    sources = [Source("a", weight=3), Source("b", weight=1)]
+    assert pass_counts([10, 30], sources) == [(3, 0), (0, 10)]
+    assert pass_counts([10, 30], sources, samples_per_pass=100) == [(7, 5), (0, 25)]
+    with pytest.raises(ValueError, match="weight= for every source or for none"):
+        pass_counts([10, 30], [Source("a", weight=1), Source("b", repeat=2)])
+    with pytest.raises(ValueError, match="one of repeat, choose and weight"):
+        Source("a", repeat=1, choose=3)
+
+
+def test_a_mixture_names_its_keys_and_the_same_dataset_twice_gets_two_orders():
+    index = fake_index([6, 6])
+    plan = plan_of([source(index, "vqa"), source(index, "vqa-2")])
+    keys = keys_of(plan.spans(0, 0))
+    assert len(keys) == len(set(keys)) == 24
+    first = [k.split("/", 1)[1] for k in keys if k.startswith("vqa/")]
+    second = [k.split("/", 1)[1] for k in keys if k.startswith("vqa-2/")]
+    assert sorted(first) == sorted(second) and first != second
 
 
 def test_worker_config_from_torchrun_environment(monkeypatch):

@@ -61,9 +61,9 @@ def test_readme_torchrun_loop_trains_and_resumes(tmp_path):
     (tmp_path / "train_min.py").write_text(code)
     os.symlink(os.path.join(REPO, "shards_example"), tmp_path / "shards_example")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    command = [torchrun, "--standalone", "--nproc_per_node=2", "train_min.py"]
     runs = []
-    for epochs in ("1", "2"):
+    for epochs, processes in (("1", 2), ("2", 1)):  # the resume is onto another topology
+        command = [torchrun, "--standalone", f"--nproc_per_node={processes}", "train_min.py"]
         env = {**os.environ, "EPOCHS": epochs, "OMP_NUM_THREADS": "1"}
         run = run_process(command, timeout=200, cwd=tmp_path, env=env)
         assert run.returncode == 0, run.stderr[-3000:]

@@ -362,7 +362,7 @@ def test_skip_mode_resumes_past_a_shard_that_went_away(tmp_path):
     assert held, "the state holds samples to read again"
     # the shard of a held sample goes away before the restart
     place = state["workers"][0]["window"]["places"][0]
-    gone = wdsvlm.plan.Plan(data).locate(place[0], 0, [place[1]])[0]["shard"]
+    gone = wdsvlm.plan.Plan(data).locate(place[0], [place[1]])[0]["shard"]
     os.remove(os.path.join(data, gone))
     resumed = wdsvlm.Loader(data, TOKENIZER, **options)
     resumed.load_state_dict(state)

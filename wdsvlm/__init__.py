@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Plan": "plan",
+    "Source": "mixture",
     "WorkerConfig": "plan",
     "ReadSamples": "read",
     "Shuffle": "shuffle",

@@ -122,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
         "token counts with --tokenizer) and write a contact sheet PNG: each sample's images "
         "beside its turns.",
     )
-    inspect.add_argument("source", metavar="SOURCE", help="dataset folder or URL")
+    inspect.add_argument(
+        "source", metavar="SOURCE", help="dataset folder or URL, or a mixture file (.yaml, .json)"
+    )
     inspect.add_argument("-n", type=_positive, default=5, metavar="N", help="samples (default 5)")
     inspect.add_argument(
         "--key", action="append", default=[], metavar="K", help="this sample (repeat for more)"
@@ -140,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-length, and the padding of naive, fixed-length and packed batches; with --out, "
         "write histograms and the batch picture as PNGs.",
     )
-    stats.add_argument("source", metavar="SOURCE", help="dataset folder or URL")
+    stats.add_argument(
+        "source", metavar="SOURCE", help="dataset folder or URL, or a mixture file (.yaml, .json)"
+    )
     stats.add_argument("--tokenizer", required=True, metavar="T", help="tokenizer name or folder")
     stats.add_argument("--max-length", type=_positive, required=True, metavar="L")
     stats.add_argument(

@@ -132,7 +132,7 @@ def collate_rows(
     if sum(tiles) != len(pixels):
         raise ValueError(f"{len(pixels)} tiles for {sum(tiles)} in the samples' image_tiles")
     labels_t = torch.from_numpy(labels)
-    return {
+    batch = {
         "input_ids": torch.from_numpy(input_ids),
         "attention_mask": torch.from_numpy(attention),
         "labels": labels_t,
@@ -147,6 +147,9 @@ def collate_rows(
         ],
         "sample_passes": [[s.get("__epoch__", 0) for s in row] for row in rows],
     }
+    if any("__source__" in s for s in samples):  # a mixture: which source each sample is of
+        batch["sample_sources"] = [[s.get("__source__") for s in row] for row in rows]
+    return batch
 
 
 def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:

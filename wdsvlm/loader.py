@@ -24,6 +24,7 @@ from typing import Any
 
 from .cache import ShardCache
 from .collate import Collate
+from .elastic import check_states, remap
 from .errors import WdsvlmError
 from .images import ImageConfig, UnusableImage
 from .pack import BalanceBatches, Pack, tiles_cv
@@ -125,6 +126,7 @@ class Loader:
             worker_config=self.worker_config,
             storage_options=settings.storage_options,
             read_policy=settings.read_policy,
+            samples_per_pass=settings.samples_per_pass,
         )
         if self.plan.num_samples < self.worker_config.global_workers:
             raise ValueError(
@@ -287,11 +289,16 @@ class Loader:
         same ones on every rank), samples that cannot fit are left out, packs are taken as 97%
         full of tokens and of tiles, and each worker gets one batch more for the packs left at
         the end of a pass. Every rank computes the same number."""
-        entries = [e for shard in self.plan.index["shards"] for e in shard["entries"]]
-        per_text_token = self._characters_per_token(entries[:: max(1, len(entries) // 32)])
+        every = [
+            (source.per_pass / source.size, source, s, entry)
+            for source in self.plan.sources
+            for s, shard in enumerate(source.index["shards"])
+            for entry in shard["entries"]
+        ]
+        per_text_token = self._characters_per_token(every[:: max(1, len(every) // 32)])
         tile_budget = self.max_tiles_per_pack or 0
         tokens = tiles = 0.0
-        for entry in entries:
+        for times, _, _, entry in every:  # each sample as often as a pass holds it
             try:
                 images = [self.tokenize.image_numbers(w, h) for w, h in entry.get("images", [])]
             except UnusableImage:
@@ -304,8 +311,8 @@ class Loader:
                 if not self.pack.truncate:
                     continue  # dropped
                 n_tokens = self.max_length * 0.75
-            tokens += n_tokens
-            tiles += n_tiles
+            tokens += n_tokens * times
+            tiles += n_tiles * times
         packs = tokens / (self.max_length * 0.97)
         if tile_budget:
             packs = max(packs, tiles / (tile_budget * 0.97))
@@ -313,25 +320,23 @@ class Loader:
         # and one batch per worker for the few packs each leaves at the end of a pass
         return batches + self.worker_config.workers_per_rank
 
-    def _characters_per_token(self, entries: list[dict]) -> float:
+    def _characters_per_token(self, chosen: list[tuple]) -> float:
         """Characters of text (the index's ``chars``) per text token, template included,
-        measured on ``entries``; 3.5 when none of them can be read."""
-        spans = []
-        wanted = {id(e) for e in entries}
-        for shard, url in zip(self.plan.index["shards"], self.plan.urls, strict=True):
-            for entry in shard["entries"]:
-                if id(entry) in wanted:
-                    spans.append(
-                        {
-                            "url": url,
-                            "shard": shard["name"],
-                            "start": entry["offset"],
-                            "stop": entry["offset"] + entry["size"],
-                            "entries": [entry],
-                            "epoch": 0,
-                            "worker": 0,
-                        }
-                    )
+        measured on the ``(times, source, shard number, entry)`` of ``chosen``; 3.5 when none
+        of them can be read."""
+        spans = [
+            {
+                "url": source.urls[s],
+                "shard": source.index["shards"][s]["name"],
+                "start": entry["offset"],
+                "stop": entry["offset"] + entry["size"],
+                "entries": [entry],
+                "epoch": 0,
+                "worker": 0,
+                "storage_options": source.storage_options,
+            }
+            for _, source, s, entry in chosen
+        ]
         quiet = SkipStats()  # a bad sample here is found again, and counted, when it is read
         read = ReadSamples(
             self.settings.storage_options,
@@ -353,8 +358,19 @@ class Loader:
         return chars / text if chars and text else 3.5
 
     def _dataset_id(self) -> str:
-        shards = [[s["name"], s["samples"], s.get("bytes")] for s in self.plan.index["shards"]]
-        return hashlib.sha256(json.dumps(shards).encode()).hexdigest()[:16]
+        """The sources' shards and each source's share of a pass."""
+        sources = [
+            [
+                s.name,
+                s.copies,
+                s.extra,
+                [[h["name"], h["samples"], h.get("bytes")] for h in s.index["shards"]],
+            ]
+            for s in self.plan.sources
+        ]
+        if not self.plan.mixture:  # as the first release recorded a dataset
+            sources = sources[0][3]
+        return hashlib.sha256(json.dumps(sources).encode()).hexdigest()[:16]
 
     def __iter__(self) -> Iterator[dict]:
         from torch.utils.data import DataLoader
@@ -447,10 +463,28 @@ class Loader:
             "workers": copy.deepcopy(self._states),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Go on from a ``state_dict()``: the next batches are the ones the saved run yielded
-        after it. The dataset, the settings and the topology (rank, world size, workers)
-        must be the ones it was saved with; a difference is refused, naming it."""
+        after it. The dataset and the settings must be the ones it was saved with; a
+        difference is refused, naming it.
+
+        ``state`` is this rank's own state (the same rank, world size and workers: the same
+        batches, bit for bit), or the list of the states of all ranks of the old run, in
+        rank order, which resumes on any topology (``elastic.py``): the rest of the
+        interrupted pass comes exactly once, spread over the new ranks and workers, and
+        ``len(loader)`` is estimated for the new topology, the same on every rank; the
+        current epoch keeps the share of its batches already taken.
+        """
+        if isinstance(state, Sequence) and not isinstance(state, Mapping):
+            states = [upgrade_state(s) for s in state]
+            check_states(states)
+            old = states[0]["topology"]
+            here = self._topology()
+            if (old["world_size"], old["num_workers"]) == (here["world_size"], here["num_workers"]):
+                state = states[here["rank"]]  # the same topology: exactly as saved
+            else:
+                self._load_elsewhere(states)
+                return
         state = upgrade_state(state)
         saved, here = state["topology"], self._topology()
         if saved != here:
@@ -459,10 +493,9 @@ class Loader:
             )
             raise ValueError(
                 f"cannot resume: the loader state was saved with a different topology ({diff}). "
-                "A mid-epoch position is a position in each worker's stream, so it resumes "
-                "only with the same rank, world_size and num_workers. To change them, start a "
-                f"new epoch afresh instead: set_epoch({state['epoch'] + 1}) without loading "
-                "this state (the samples the saved epoch still carried are then not yielded)."
+                "One rank's state resumes only on the same rank, world_size and num_workers. "
+                "To change them, pass the list of the states of all ranks of the old run "
+                "instead (for example gathered on rank 0 with all_gather_object when saving)"
             )
         check_resume(state["config"], self._config)
         saved_length = state["config"]["batches_per_epoch"]
@@ -473,6 +506,34 @@ class Loader:
         self._epoch = state["epoch"]
         self._done = state["done"]
         self._states = copy.deepcopy(state["workers"])
+        self._pinned = False
+        self._restart_workers()
+
+    def _load_elsewhere(self, states: list[dict]) -> None:
+        """Resume the states of all ranks of a run on this loader's other topology."""
+        first = states[0]
+        saved_length = first["config"]["batches_per_epoch"]
+        check_resume(first["config"], self._config)
+        config = self.worker_config
+        self._states = remap(
+            states, self.plan.num_samples, config.rank, config.world_size, config.workers_per_rank
+        )
+        length = self._batches_per_epoch
+        self._epoch = first["epoch"]
+        self._done = min(length, round(first["done"] * length / saved_length))
+        log.info(
+            "resumed %d ranks x %d workers on %d x %d: epoch %d goes on at batch %d of %d "
+            "(%d of %d as saved)",
+            first["topology"]["world_size"],
+            first["topology"]["num_workers"],
+            config.world_size,
+            config.num_workers,
+            self._epoch,
+            self._done,
+            length,
+            first["done"],
+            saved_length,
+        )
         self._pinned = False
         self._restart_workers()
 

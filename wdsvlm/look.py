@@ -105,7 +105,7 @@ class SampleView:
 
 
 def inspect_samples(
-    source: str,
+    source: Any,
     *,
     n: int = 5,
     keys: Sequence[str] = (),
@@ -117,12 +117,30 @@ def inspect_samples(
     """The first ``n`` samples of ``source`` (or those with ``keys``), read by their index
     offsets; with a ``tokenizer``, their token counts as the loader would make them. A sample
     the loader would skip is shown with its ``problem``."""
-    from .plan import resolve_source
+    from .plan import resolve_sources
     from .read import ReadSamples
 
     config = image_config or ImageConfig()
-    index, urls = resolve_source(source, storage_options)
-    picked = pick_entries(index, urls, n, keys)
+    sources, mixture = resolve_sources(source, storage_options)
+    if not mixture:
+        picked = pick_entries(sources[0].index, sources[0].urls, n, keys)
+    else:  # a mixture: the first n of each source, or keys named "SOURCE/KEY"
+        names = {s.name for s in sources}
+        strays = [k for k in keys if k.split("/", 1)[0] not in names or "/" not in k]
+        if strays:
+            raise ValueError(
+                f"keys of a mixture are SOURCE/KEY with a source of {sorted(names)}: "
+                f"{', '.join(strays)}"
+            )
+        picked = []
+        for s in sources:
+            wanted = [k.split("/", 1)[1] for k in keys if k.split("/", 1)[0] == s.name]
+            if keys and not wanted:
+                continue
+            picked += [
+                (url, f"{s.name}/{shard}", entry)
+                for url, shard, entry in pick_entries(s.index, s.urls, n, wanted)
+            ]
     stats = SkipStats(max_consecutive=sys.maxsize)  # bad samples are shown, however many
     samples = list(ReadSamples(storage_options, stats=stats)(_spans(picked)))
     if stats.counts:
@@ -213,6 +231,9 @@ class DatasetStats:
     packs: int
     samples_per_pack: float
     picture: list[np.ndarray] = field(repr=False, default_factory=list)
+    per_source: dict[str, dict] = field(default_factory=dict)
+    """For a mixture, per source: samples its share of the pass plans, read and tokenized,
+    kept (fit the budgets), and their tokens."""
 
     @property
     def samples(self) -> int:
@@ -240,6 +261,7 @@ class DatasetStats:
             "padding": self.padding,
             "packs": self.packs,
             "samples_per_pack": self.samples_per_pack,
+            **({"sources": self.per_source} if self.per_source else {}),
         }
 
     def table(self) -> str:
@@ -275,6 +297,15 @@ class DatasetStats:
                 ),
             ),
         ]
+        for name, n in self.per_source.items():
+            rows.append(
+                (
+                    f"source {name}",
+                    f"{n['planned']} a pass, {n['read']} read, {n['kept']} kept "
+                    f"({n['planned'] - n['read']} skipped, {n['read'] - n['kept']} dropped); "
+                    f"{n['tokens']} tokens",
+                )
+            )
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -344,9 +375,18 @@ def dataset_stats(
     tokens, tiles, picture = [], [], []
     images = supervised = 0
 
+    per_source = {
+        source.name: {"planned": source.per_pass, "read": 0, "kept": 0, "tokens": 0}
+        for source in plan.sources
+    }
+
     def measured(samples: Iterator[dict]) -> Iterator[dict]:
         nonlocal images, supervised
         for sample in samples:
+            if plan.mixture:
+                counts = per_source[sample["__source__"]]
+                counts["read"] += 1
+                counts["tokens"] += int(sample["num_tokens"])
             tokens.append(sample["num_tokens"])
             tiles.append(sum(sample["image_tiles"]))
             images += len(sample["image_tiles"])
@@ -359,9 +399,14 @@ def dataset_stats(
             yield sample
 
     pack = Pack(max_length, max_tiles_per_pack=max_tiles_per_pack, window=pack_window)
-    fitting = {}  # by (shard, key): keys of foreign shards need not be unique
+    fitting = {}  # by (shard, key, place): a mixture's pass may hold a sample twice
     for packed in pack(measured(tokenize(bar))):
-        fitting.update(((s["__shard__"], s["__key__"]), s["num_tokens"]) for s in packed)
+        fitting.update(
+            ((s["__shard__"], s["__key__"], s["__pos__"]), s["num_tokens"]) for s in packed
+        )
+        if plan.mixture:
+            for s in packed:
+                per_source[s["__source__"]]["kept"] += 1
     bar.close()
     packs = pack.pack_stats
     dropped = {r: packs.dropped.get(r, 0) for r in PACK_REASONS}
@@ -384,4 +429,5 @@ def dataset_stats(
         packs=packs.packs,
         samples_per_pack=packs.samples / packs.packs if packs.packs else 0.0,
         picture=picture,
+        per_source=per_source if plan.mixture else {},
     )

@@ -1,31 +1,36 @@
-"""Plan: which samples one global worker reads in an epoch, and in which order.
+"""Plan: which samples one global worker reads in a pass over the data, and in which order.
 
-Everything follows from explicit inputs: ``(seed, epoch)`` decide the order, and the worker's
-place ``rank * num_workers + worker_id`` among ``world_size * num_workers`` global workers
-decides its share. The split is by samples (through the index), so any shard count works with
-any worker count.
+Everything follows from explicit inputs. ``(sources, seed, pass)`` decide the pass's global
+order (``PassOrder``): which samples the pass holds (every source's share, see
+``mixture.py``) and in which order, the same on every topology. The worker's place
+``rank * num_workers + worker_id`` among ``world_size * num_workers`` global workers decides
+its share: a contiguous block of that order, read in order. The split is by samples, so any
+shard count works with any worker count, and a sample's place ``[pass, place]`` means the same
+sample on any topology: that is what lets a checkpoint resume on another one.
 
-The epoch order: shards in a seeded random order, each shard's samples in a seeded random
-order. The order is cut into contiguous, near-equal blocks, one per global worker. A worker
-reads its block shard by shard in *spans*: runs of samples that lie next to each other in the
-shard, up to ``span_bytes``, each fetched with one ranged read; spans and the samples inside
-them are visited in seeded random order. So the I/O is a few large ranged reads per shard and
+The order is built from chunks: runs of neighbouring samples of a shard of about
+``span_bytes`` (from the shard's sample count and bytes), visited in seeded random order, the
+samples of each visit in seeded random order. A worker reads each visit with one ranged
+read (a few, where it takes only a sparse part of it), so the I/O is large ranged reads and
 the memory held is one span.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
-import random
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from torch.utils.data import IterableDataset
 
 from .errors import ShardFormatError
 from .index import load_index, scan_index
+from .mixture import Source, is_mixture_file, load_mixture, named, pass_counts
 from .storage import join
 
 log = logging.getLogger("wdsvlm.plan")
@@ -33,6 +38,8 @@ log = logging.getLogger("wdsvlm.plan")
 # Gaps between wanted samples up to this size are read through rather than split into two
 # reads: one request costs more than reading a few tens of KB.
 _READ_THROUGH_GAP = 64 * 1024
+# A span whose bytes are at most this is read in one go, however sparse its samples.
+_DENSE_ENOUGH = 2**20
 
 
 @dataclass(frozen=True)
@@ -96,19 +103,6 @@ def current_worker_id(config: WorkerConfig) -> int:
     return info.id
 
 
-def epoch_order(index: Mapping[str, Any], seed: int, epoch: int) -> list[tuple[int, int]]:
-    """Every sample of the dataset as ``(shard number, entry number)``, in this epoch's order."""
-    rng = random.Random(f"wdsvlm-order/{seed}/{epoch}")
-    shards = list(range(len(index["shards"])))
-    rng.shuffle(shards)
-    order = []
-    for s in shards:
-        entries = list(range(index["shards"][s]["samples"]))
-        rng.shuffle(entries)
-        order.extend((s, e) for e in entries)
-    return order
-
-
 def worker_share(total: int, global_worker: int, global_workers: int) -> tuple[int, int]:
     """``[start, stop)`` of one global worker's contiguous block: sizes differ by at most one."""
     base, extra = divmod(total, global_workers)
@@ -116,54 +110,97 @@ def worker_share(total: int, global_worker: int, global_workers: int) -> tuple[i
     return start, start + base + (global_worker < extra)
 
 
-def worker_spans(
-    index: Mapping[str, Any],
-    seed: int,
-    epoch: int,
-    global_worker: int,
-    global_workers: int,
-    span_bytes: int = 8 * 2**20,
-) -> list[dict]:
-    """The spans one global worker reads in one epoch, in reading order.
+def _rng(*parts: Any) -> np.random.Generator:
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:16], "little"))
 
-    A span is ``{"shard": number, "start": byte, "stop": byte, "entries": [entry numbers]}``:
-    the ranged read ``[start, stop)`` of the shard holds all its entries, which are listed in
-    the order they are to be yielded.
+
+@dataclass
+class DataSource:
+    """One resolved source of the plan: its index, shard URLs and share of each pass."""
+
+    name: str
+    index: dict
+    urls: list[str]
+    copies: int = 1
+    extra: int = 0
+    storage_options: Mapping[str, Any] | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(s["samples"] for s in self.index["shards"])
+
+    @property
+    def per_pass(self) -> int:
+        return self.copies * self.size + self.extra
+
+
+class PassOrder:
+    """The global order of one pass: every sample the pass holds, all sources together, as
+    ``(source, shard, entry)`` at places ``0 .. size - 1``. A pure function of the sources,
+    the seed and the pass, never of the topology.
+
+    It is built from chunks: runs of about ``span_bytes`` of neighbouring samples of a shard
+    (from the shard's sample count and bytes), each read with one ranged read. A pass takes
+    each chunk of a source ``copies`` times, and the chunks holding the source's ``extra``
+    samples of this pass once more with just those; the chunk visits are shuffled, and the
+    samples inside each visit.
     """
-    order = epoch_order(index, seed, epoch)
-    start, stop = worker_share(len(order), global_worker, global_workers)
-    rng = random.Random(f"wdsvlm-spans/{seed}/{epoch}/{global_worker}")
-    spans: list[dict] = []
-    block = order[start:stop]
-    i = 0
-    while i < len(block):  # one run of the same shard at a time, in the epoch's shard order
-        shard = block[i][0]
-        j = i
-        while j < len(block) and block[j][0] == shard:
-            j += 1
-        entries = index["shards"][shard]["entries"]
-        wanted = sorted((e for _, e in block[i:j]), key=lambda e: entries[e]["offset"])
-        run = _cut_spans(shard, entries, wanted, span_bytes)
-        rng.shuffle(run)
-        for span in run:
-            rng.shuffle(span["entries"])
-        spans.extend(run)
-        i = j
-    return spans
+
+    def __init__(self, sources: Sequence[DataSource], seed: int, pass_: int, span_bytes: int):
+        visit_source, visit_shard, parts = [], [], []
+        for number, source in enumerate(sources):
+            shards = source.index["shards"]
+            chunks = []  # (shard, first entry, stop)
+            for s, shard in enumerate(shards):
+                n = shard["samples"]
+                per_chunk = max(1, int(span_bytes * n / max(1, shard.get("bytes") or 1)))
+                chunks += [(s, a, min(n, a + per_chunk)) for a in range(0, n, per_chunk)]
+            for _ in range(source.copies):
+                for s, a, b in chunks:
+                    visit_source.append(number)
+                    visit_shard.append(s)
+                    parts.append(np.arange(a, b, dtype=np.int64))
+            if source.extra:
+                for s, entries in _extra_entries(source, number, seed, pass_, span_bytes):
+                    visit_source.append(number)
+                    visit_shard.append(s)
+                    parts.append(entries)
+        rng = _rng("wdsvlm-pass", seed, pass_)
+        order = rng.permutation(len(parts))
+        parts = [parts[i] for i in order]
+        self.visit_source = np.asarray(visit_source, dtype=np.int64)[order]
+        self.visit_shard = np.asarray(visit_shard, dtype=np.int64)[order]
+        sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+        self.starts = np.concatenate([[0], np.cumsum(sizes)])
+        entries = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        visit_of = np.repeat(np.arange(len(parts)), sizes)
+        self.entries = entries[np.lexsort((rng.random(len(entries)), visit_of))]
+        self.size = int(self.starts[-1])
+
+    def visit_at(self, place: int) -> int:
+        return int(np.searchsorted(self.starts, place, side="right")) - 1
 
 
-def _cut_spans(shard: int, entries: Sequence[dict], wanted: list[int], span_bytes: int):
-    spans: list[dict] = []
-    for e in wanted:
-        begin = entries[e]["offset"]
-        end = begin + entries[e]["size"]
-        last = spans[-1] if spans else None
-        if last and begin - last["stop"] <= _READ_THROUGH_GAP and end - last["start"] <= span_bytes:
-            last["stop"] = end
-            last["entries"].append(e)
-        else:
-            spans.append({"shard": shard, "start": begin, "stop": end, "entries": [e]})
-    return spans
+def _extra_entries(source: DataSource, number: int, seed: int, pass_: int, span_bytes: int):
+    """``(shard, entries)`` per chunk holding the source's extra samples of this pass: a window
+    of ``extra`` places of one seeded permutation of the source, moved on by ``extra`` each
+    pass (wrapping), so that successive passes rotate through the whole source."""
+    n = source.size
+    permutation = _rng("wdsvlm-extra", seed, number, source.name).permutation(n)
+    first = (pass_ * source.extra) % n
+    chosen = np.take(permutation, np.arange(first, first + source.extra), mode="wrap")
+    bounds = np.cumsum([0] + [s["samples"] for s in source.index["shards"]])
+    shard_of = np.searchsorted(bounds, chosen, side="right") - 1
+    entry_of = chosen - bounds[shard_of]
+    out = []
+    for s in np.unique(shard_of):
+        shard = source.index["shards"][s]
+        per_chunk = max(1, int(span_bytes * shard["samples"] / max(1, shard.get("bytes") or 1)))
+        entries = np.sort(entry_of[shard_of == s])
+        for c in np.unique(entries // per_chunk):
+            out.append((int(s), entries[entries // per_chunk == c]))
+    return out
 
 
 def resolve_source(
@@ -207,17 +244,56 @@ def _expand(source: str | Sequence[str]) -> list[str]:
     return urls
 
 
-class Plan(IterableDataset):
-    """Pipeline source: this worker's spans for one epoch, ready for ``read_samples``.
+def resolve_sources(
+    source: Any,
+    storage_options: Mapping[str, Any] | None = None,
+    policy=None,
+    samples_per_pass: int | None = None,
+) -> tuple[list[DataSource], bool]:
+    """The plan's sources, each with its index, URLs and share of a pass, and whether they
+    form a mixture (keys then name their source). ``source``: a dataset folder or URL, tar
+    URLs (a brace pattern or a list), a ``Source``, a list of ``Source``, or a mixture file
+    (``.yaml``, ``.yml``, ``.json``)."""
+    mixture = True
+    if is_mixture_file(source):
+        sources, from_file = load_mixture(source, storage_options)
+        samples_per_pass = samples_per_pass if samples_per_pass is not None else from_file
+    elif isinstance(source, Source):
+        sources = [source]
+    elif not isinstance(source, str) and any(isinstance(s, Source) for s in source):
+        if not all(isinstance(s, Source) for s in source):
+            raise TypeError("a mixture is a list of wdsvlm.Source; wrap each path in Source(...)")
+        sources = list(source)
+    else:
+        sources, mixture = [Source(source)], False
+    if not sources:
+        raise ValueError("the mixture has no sources")
+    sources = named(sources)
+    resolved = []
+    for s in sources:
+        options = s.storage_options if s.storage_options is not None else storage_options
+        index, urls = resolve_source(s.path, options, policy)
+        resolved.append(DataSource(s.name, index, urls, storage_options=options))
+    counts = pass_counts([r.size for r in resolved], sources, samples_per_pass)
+    for r, (copies, extra) in zip(resolved, counts, strict=True):
+        r.copies, r.extra = copies, extra
+    return resolved, mixture or len(resolved) > 1
 
-    ``source`` is a dataset folder or URL, or tar URLs (see ``resolve_source``). Iterating
-    (or calling) a ``Plan`` inside a DataLoader worker yields that worker's share. Each span
-    carries its shard's URL and the context later stages seed themselves from.
+
+class Plan(IterableDataset):
+    """Pipeline source: this worker's spans for one pass, ready for ``ReadSamples``.
+
+    ``source`` is a dataset folder or URL, tar URLs (see ``resolve_source``), or a mixture
+    (``Source`` list or mixture file; see ``mixture.py``). Each pass has one global order
+    (``PassOrder``), the same on every topology; global worker ``w`` of ``G`` reads the
+    contiguous block ``worker_share(pass size, w, G)`` of it, in that order. A sample's place
+    is ``[pass, place in the pass's order]``. Iterating (or calling) a ``Plan`` inside a
+    DataLoader worker yields that worker's share of pass ``epoch``.
     """
 
     def __init__(
         self,
-        source: str | Sequence[str],
+        source: Any,
         *,
         seed: int = 0,
         epoch: int = 0,
@@ -225,19 +301,51 @@ class Plan(IterableDataset):
         span_bytes: int = 8 * 2**20,
         storage_options: Mapping[str, Any] | None = None,
         read_policy=None,
+        samples_per_pass: int | None = None,
     ):
         super().__init__()
-        self.index, self.urls = resolve_source(source, storage_options, read_policy)
+        self.sources, self.mixture = resolve_sources(
+            source, storage_options, read_policy, samples_per_pass
+        )
+        self.index, self.urls = self.sources[0].index, self.sources[0].urls
         self.seed = seed
         self._epoch = epoch
         self.worker_config = worker_config or WorkerConfig.from_environment()
         self.span_bytes = span_bytes
-        if self.index["totals"]["samples"] == 0:
-            raise ValueError(f"{source}: the dataset has no samples")
+        self._orders: OrderedDict[int, PassOrder] = OrderedDict()
+        for s in self.sources:
+            if s.size == 0:
+                raise ValueError(f"{s.index.get('source', s.name)}: the dataset has no samples")
+        if self.num_samples == 0:
+            raise ValueError(f"{source}: a pass of the mixture holds no samples")
+
+    @classmethod
+    def of_sources(
+        cls,
+        sources: Sequence[DataSource],
+        *,
+        mixture: bool = True,
+        seed: int = 0,
+        epoch: int = 0,
+        worker_config: WorkerConfig | None = None,
+        span_bytes: int = 8 * 2**20,
+    ) -> Plan:
+        """A plan over sources already resolved (indexes in memory)."""
+        plan = cls.__new__(cls)
+        IterableDataset.__init__(plan)
+        plan.sources, plan.mixture = list(sources), mixture
+        plan.index, plan.urls = plan.sources[0].index, plan.sources[0].urls
+        plan.seed, plan._epoch, plan.span_bytes = seed, epoch, span_bytes
+        plan.worker_config = worker_config or WorkerConfig()
+        plan._orders = OrderedDict()
+        return plan
+
+    def __getstate__(self):
+        return {**self.__dict__, "_orders": OrderedDict()}
 
     @property
     def epoch(self) -> int:
-        """The epoch iterated next: a plain number, or a shared one (see ``share_epoch``)."""
+        """The pass iterated next: a plain number, or a shared one (see ``share_epoch``)."""
         return self._epoch if isinstance(self._epoch, int) else self._epoch.value
 
     @epoch.setter
@@ -258,8 +366,24 @@ class Plan(IterableDataset):
 
     @property
     def num_samples(self) -> int:
-        """Samples in the whole dataset (all workers together)."""
-        return sum(s["samples"] for s in self.index["shards"])
+        """Samples in one pass (all workers together; the same every pass)."""
+        return sum(s.per_pass for s in self.sources)
+
+    def order(self, pass_: int) -> PassOrder:
+        """The global order of pass ``pass_`` (the last few are kept)."""
+        order = self._orders.get(pass_)
+        if order is None:
+            order = PassOrder(self.sources, self.seed, pass_, self.span_bytes)
+            self._orders[pass_] = order
+            while len(self._orders) > 3:
+                self._orders.popitem(last=False)
+        return order
+
+    def share(self, worker: int, global_workers: int | None = None) -> tuple[int, int]:
+        """Global worker ``worker``'s block ``[start, stop)`` of every pass's order."""
+        return worker_share(
+            self.num_samples, worker, global_workers or self.worker_config.global_workers
+        )
 
     def __call__(self, src=None) -> Iterator[dict]:
         return iter(self)
@@ -269,68 +393,99 @@ class Plan(IterableDataset):
         worker = config.global_worker(current_worker_id(config))
         yield from self.spans(self.epoch, worker)
 
-    def spans(self, epoch: int, worker: int, start: int = 0) -> Iterator[dict]:
-        """Global worker ``worker``'s spans of pass ``epoch``, from its sample number
-        ``start`` on (a span cut by ``start`` keeps only its later samples). Each span lists
-        its samples' positions in the worker's reading order of that pass."""
-        config = self.worker_config
-        spans = worker_spans(
-            self.index, self.seed, epoch, worker, config.global_workers, self.span_bytes
-        )
-        position = 0
-        for span in spans:
-            first, position = position, position + len(span["entries"])
-            if position <= start:
-                continue
-            shard = self.index["shards"][span["shard"]]
-            entries = [shard["entries"][e] for e in span["entries"]]
-            positions = list(range(first, position))
-            if first < start:  # resuming inside this span: read only what is left of it
-                entries, positions = entries[start - first :], positions[start - first :]
-            yield {
-                "url": self.urls[span["shard"]],
-                "shard": shard["name"],
-                "shard_bytes": shard["bytes"],
-                "start": min(e["offset"] for e in entries),
-                "stop": max(e["offset"] + e["size"] for e in entries),
-                "entries": entries,
-                "positions": positions,
-                "epoch": epoch,
-                "worker": worker,
-            }
+    def spans(self, pass_: int, worker: int, start: int | None = None) -> Iterator[dict]:
+        """Global worker ``worker``'s spans of pass ``pass_``, from place ``start`` of the
+        pass's order on (default: the start of its block)."""
+        first, stop = self.share(worker)
+        yield from self.read_spans(pass_, [[max(first, start or 0), stop]], worker)
 
-    def locate(self, epoch: int, worker: int, positions: Sequence[int]) -> list[dict]:
-        """Spans that hold the given positions of a worker's pass ``epoch`` (neighbours in a
-        shard merged into one ranged read, as the plan merges them): how a resumed loader
-        fetches the samples its buffers held."""
-        wanted = set(positions)
-        by_shard: dict[str, list] = {}
-        for span in self.spans(epoch, worker):
-            for position, entry in zip(span["positions"], span["entries"], strict=True):
-                if position in wanted:
-                    by_shard.setdefault(span["url"], []).append((entry, position, span))
+    def read_spans(self, pass_: int, ranges: Sequence[Sequence[int]], worker: int):
+        """The spans that read places ``[a, b)`` of pass ``pass_``'s order, for each range in
+        turn, in order. Each span is one ranged read of one shard; it lists its samples
+        (``entries``) and their ``positions`` (places) in reading order."""
+        order = self.order(pass_)
+        for a, b in ranges:
+            v = order.visit_at(a) if a < b else 0
+            while a < b:
+                stop = min(b, int(order.starts[v + 1]))
+                yield from self._cut(order, v, pass_, range(a, stop), worker)
+                a, v = stop, v + 1
+
+    def _cut(self, order: PassOrder, v: int, pass_: int, places: range, worker: int):
+        """Spans of consecutive places of one visit: one read while the samples fill at least
+        a quarter of the bytes read, or those bytes are at most 1 MB; else a new read."""
+        source = self.sources[int(order.visit_source[v])]
+        number = int(order.visit_shard[v])
+        shard = source.index["shards"][number]
+        entries = shard["entries"]
+        current: dict | None = None
+        for place in places:
+            entry = entries[int(order.entries[place])]
+            begin, end = entry["offset"], entry["offset"] + entry["size"]
+            if current is not None:
+                lo, hi = min(current["start"], begin), max(current["stop"], end)
+                used = current["used"] + entry["size"]
+                if used * 4 >= hi - lo or hi - lo <= _DENSE_ENOUGH:
+                    current.update(start=lo, stop=hi, used=used)
+                    current["entries"].append(entry)
+                    current["positions"].append(place)
+                    continue
+                yield self._span(source, number, current, pass_, worker)
+            current = {
+                "start": begin,
+                "stop": end,
+                "used": entry["size"],
+                "entries": [entry],
+                "positions": [place],
+            }
+        if current is not None:
+            yield self._span(source, number, current, pass_, worker)
+
+    def _span(self, source: DataSource, number: int, part: dict, pass_: int, worker: int):
+        shard = source.index["shards"][number]
+        return {
+            "url": source.urls[number],
+            "shard": f"{source.name}/{shard['name']}" if self.mixture else shard["name"],
+            "shard_bytes": shard["bytes"],
+            "start": part["start"],
+            "stop": part["stop"],
+            "entries": part["entries"],
+            "positions": part["positions"],
+            "epoch": pass_,
+            "worker": worker,
+            "source": source.name if self.mixture else None,
+            "storage_options": source.storage_options,
+        }
+
+    def locate(self, pass_: int, places: Sequence[int], worker: int = 0) -> list[dict]:
+        """Spans that hold the given places of pass ``pass_`` (neighbours in a shard merged
+        into one ranged read): how a resumed loader fetches the samples its buffers held."""
+        order = self.order(pass_)
+        by_shard: dict[tuple, list] = {}
+        for place in sorted(set(int(p) for p in places)):
+            v = order.visit_at(place)
+            key = (int(order.visit_source[v]), int(order.visit_shard[v]))
+            source = self.sources[key[0]]
+            entry = source.index["shards"][key[1]]["entries"][int(order.entries[place])]
+            by_shard.setdefault(key, []).append((entry, place))
         out: list[dict] = []
-        for found in by_shard.values():
+        for (s, number), found in by_shard.items():
             found.sort(key=lambda f: f[0]["offset"])
-            for entry, position, span in found:
-                last = out[-1] if out and out[-1]["url"] == span["url"] else None
+            part = None
+            for entry, place in found:
                 end = entry["offset"] + entry["size"]
                 if (
-                    last is not None
-                    and entry["offset"] - last["stop"] <= _READ_THROUGH_GAP
-                    and end - last["start"] <= self.span_bytes
+                    part is not None
+                    and entry["offset"] - part["stop"] <= _READ_THROUGH_GAP
+                    and end - part["start"] <= self.span_bytes
                 ):
-                    last["stop"] = max(last["stop"], end)
-                    last["entries"].append(entry)
-                    last["positions"].append(position)
-                else:
-                    out.append(
-                        {
-                            **span,
-                            "start": entry["offset"],
-                            "stop": end,
-                            "entries": [entry],
-                            "positions": [position],
-                        }
-                    )
+                    part["stop"] = max(part["stop"], end)
+                    part["entries"].append(entry)
+                    part["positions"].append(place)
+                    continue
+                if part is not None:
+                    out.append(self._span(self.sources[s], number, part, pass_, worker))
+                part = {"start": entry["offset"], "stop": end, "entries": [entry]}
+                part["positions"] = [place]
+            out.append(self._span(self.sources[s], number, part, pass_, worker))
         return out

@@ -31,9 +31,9 @@ class ReadSamples:
     """Pipeline stage: plan spans -> samples.
 
     A sample is ``{"__key__", "__shard__", "__url__", "__meta__" (its index entry),
-    "__epoch__", "__worker__", "__pos__" (its place in the worker's reading order of the
-    epoch), "json": bytes, "0.jpg": bytes, ...}``: member names without
-    the key, as webdataset names them.
+    "__epoch__" (its pass), "__worker__", "__pos__" (its place in the pass's global order),
+    "__source__" (its source's name), "json": bytes, "0.jpg": bytes, ...}``: member names
+    without the key, as webdataset names them.
     """
 
     def __init__(
@@ -58,6 +58,8 @@ class ReadSamples:
         self.cache = cache
 
     def _read(self, span: dict, cancel: threading.Event | None = None) -> bytes | StorageError:
+        options = span.get("storage_options")  # a mixture's source may have its own
+        options = self.storage_options if options is None else options
         try:
             if self.cache is not None and "shard_bytes" in span:
                 return self.cache.read(
@@ -65,14 +67,14 @@ class ReadSamples:
                     span["shard_bytes"],
                     span["start"],
                     span["stop"],
-                    self.storage_options,
+                    options,
                     self.policy,
                 )
             return read_range(
                 span["url"],
                 span["start"],
                 span["stop"],
-                self.storage_options,
+                options,
                 self.policy,
                 cancel,
             )
@@ -153,6 +155,8 @@ class ReadSamples:
                     "__worker__": span["worker"],
                     "__pos__": position,
                 }
+                if span.get("source") is not None:
+                    sample["__source__"] = span["source"]
                 begin = entry["offset"] - span["start"]
                 chunk = data[begin : begin + entry["size"]]
                 if len(chunk) < entry["size"]:

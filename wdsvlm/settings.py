@@ -22,7 +22,7 @@ from .workers import check_context
 
 log = logging.getLogger("wdsvlm.settings")
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 def _shapes(default: Any) -> Any:
@@ -63,7 +63,11 @@ class LoaderSettings:
     truncate: bool = _shapes(False)
     """Cut a too-long sample after its last whole answer that fits, instead of dropping it."""
     batches_per_epoch: int | None = None
-    """``len(loader)``; None: estimated from the index. A resumed run keeps the saved one."""
+    """``len(loader)``; None: estimated from the index. A resumed run keeps the saved one
+    (an elastic resume onto another topology estimates it anew)."""
+    samples_per_pass: int | None = None
+    """Samples a pass holds when every source of a mixture gives ``weight=`` (None: the
+    sources' total). Checked on resume through the sources' shares of a pass."""
     image_token: str | None = _shapes(None)
     """The image token; None: the tokenizer's own, else ``<image>``."""
     chat_template: str | None = _shapes(None)
@@ -114,6 +118,7 @@ class LoaderSettings:
             "max_tiles_per_pack",
             "max_tiles_per_batch",
             "batches_per_epoch",
+            "samples_per_pass",
             "prefetch_factor",
         ]
         for name in positive + at_least_zero + optional_positive:
@@ -233,15 +238,14 @@ def upgrade_state(state: Mapping[str, Any]) -> dict[str, Any]:
     version = state.get("version")
     if version == STATE_VERSION:
         return dict(state)
-    if version != 1:
+    if version in (1, 2):
         raise ValueError(
-            f"loader state version {version!r}; this wdsvlm reads versions 1 to {STATE_VERSION}"
+            f"loader state version {version}: it was saved by an earlier wdsvlm, whose places "
+            "of samples were positions in each worker's reading order; this wdsvlm places "
+            "them in each pass's global order, so it cannot go on from that state. Start the "
+            "next epoch afresh instead: set_epoch(saved epoch + 1) without loading the state"
         )
-    config = dict(state["config"])
-    tile_size, max_image_side, upscale = config.pop("image")
-    config.update(tile_size=tile_size, max_image_side=max_image_side, upscale=upscale)
-    config.pop("vocabulary", None)  # version 2 records the whole tokenizer instead
-    return {**state, "version": STATE_VERSION, "config": config}
+    raise ValueError(f"loader state version {version!r}; this wdsvlm reads version {STATE_VERSION}")
 
 
 __all__ = [

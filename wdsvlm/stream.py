@@ -10,12 +10,14 @@ over, never dropped. So across all ranks and workers every sample comes once per
 Batch ``i`` of an epoch comes from the rank's DataLoader worker ``i % num_workers`` (the
 DataLoader's round-robin); each worker yields exactly its part of the epoch and stops.
 
-After each batch the worker notes its stream's state (``capture``): where reading stands (pass
-and position in the worker's reading order), and the places ``[pass, position]`` of the
-samples in the shuffle buffer, in the tokenizer's batch, in the packing window and in the packs
-waiting for a batch. A stream resumed from that state reads those samples again by their index
-offsets and carries on with the same batches, bit for bit; the cost is bounded by the buffer
-and window sizes, never a replay of the epoch.
+After each batch the worker notes its stream's state (``capture``): what is left to read (the
+rest of its share of the current pass, and any places of earlier passes an elastic resume
+handed it), and the places ``[pass, place]`` of the samples in the shuffle buffer, in the
+tokenizer's batch, in the packing window and in the packs waiting for a batch. Places are in
+each pass's global order, the same on any topology. A stream resumed from that state reads
+those samples again by their index offsets and carries on with the same batches, bit for bit;
+the cost is bounded by the buffer and window sizes, never a replay of the epoch. States of all
+ranks of a run resume on another topology (``elastic.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch.utils.data import IterableDataset
 from .collate import Collate
 from .errors import StorageError, WdsvlmError
 from .pack import BalanceBatches, Pack
-from .plan import Plan, worker_share
+from .plan import Plan
 from .read import ReadSamples
 from .shuffle import Shuffle
 from .stats import SkipStats
@@ -40,14 +42,17 @@ STATS_KEY = "_wdsvlm_stats"
 
 
 def place(sample: dict) -> list[int]:
-    """A sample's place in its worker's stream: ``[pass, position]``."""
+    """A sample's place: ``[pass, place in the pass's global order]`` (the same on any
+    topology)."""
     return [sample["__epoch__"], sample["__pos__"]]
 
 
-def fresh_state(epoch: int) -> dict:
-    """A stream's state at the start of pass ``epoch``, with empty buffers."""
+def fresh_state(epoch: int, segments: list | None = None) -> dict:
+    """A stream's state at the start of pass ``epoch``, with empty buffers; or, with
+    ``segments`` (``[[pass, [[a, b], ...]], ...]``, passes before ``epoch``), first those
+    places of earlier passes (what an elastic resume hands this worker)."""
     return {
-        "read": [epoch, 0],
+        "read": {"segments": segments or [], "next": epoch},
         "shuffle": {"held": [], "draws": 0, "stream": None, "last": None},
         "tokenize": [],
         "window": {"places": [], "came": [], "emitted": 0, "ready": []},
@@ -60,6 +65,25 @@ def quota(done: int, total: int, workers: int, role: int) -> int:
     comes from worker ``i % workers``."""
     first = done + (role - done) % workers
     return 0 if first >= total else (total - 1 - first) // workers + 1
+
+
+def unread(read: dict, last: Sequence[int] | None, share: tuple[int, int]) -> dict:
+    """What is left of a worker's reading (``{"segments", "next"}``, see ``fresh_state``)
+    once the sample at place ``last`` (``[pass, place]``) was taken: the reading order is
+    ascending in ``(pass, place)``, so that is everything after it."""
+    if last is None:
+        return read
+    last_pass, after = last[0], last[1] + 1
+    if last_pass >= read["next"]:  # in the worker's own share of a pass: segments all read
+        left = [[last_pass, [[after, share[1]]]]] if after < share[1] else []
+        return {"segments": left, "next": last_pass + 1}
+    segments = []
+    for pass_, ranges in read["segments"]:
+        if pass_ == last_pass:
+            ranges = [[max(a, after), b] for a, b in ranges if b > after]
+        if pass_ >= last_pass and ranges:
+            segments.append([pass_, ranges])
+    return {"segments": segments, "next": read["next"]}
 
 
 class Stream(IterableDataset):
@@ -187,7 +211,7 @@ class Stream(IterableDataset):
         came = [
             c for p, c in zip(window, state["window"]["came"], strict=True) if tuple(p) in again
         ]
-        reader = self.read(self._spans(worker, *state["read"]))
+        reader = self.read(self._spans(worker, state["read"]))
         stages = self.shuffle(
             self._watched(reader, worker), resume={**state["shuffle"], "held": found(held)}
         )
@@ -212,15 +236,19 @@ class Stream(IterableDataset):
         return {
             "role": role,
             "epoch": epoch,
-            "start": list(state["read"]),
+            "read": state["read"],
+            "worker": worker,
             "batches": map(self.collate, stages),
             "reader": reader,
         }
 
-    def _spans(self, worker: int, epoch: int, position: int) -> Iterator[dict]:
+    def _spans(self, worker: int, read: dict) -> Iterator[dict]:
+        for pass_, ranges in read["segments"]:  # places of earlier passes handed to it
+            yield from self.plan.read_spans(pass_, ranges, worker)
+        pass_ = read["next"]
         while True:  # pass after pass; every global worker has a share of each
-            yield from self.plan.spans(epoch, worker, position)
-            epoch, position = epoch + 1, 0
+            yield from self.plan.spans(pass_, worker)
+            pass_ += 1
 
     def _watched(self, samples: Iterator[dict], worker: int) -> Iterator[dict]:
         """``samples`` as read, counted. The stream is endless, so a share in which no sample
@@ -229,8 +257,7 @@ class Stream(IterableDataset):
         can hold (the shuffle buffer, a tokenizer batch), and packing took in none of it, no
         batch can come, and that is an error. Runs in the consumer's thread, as do the
         counts it reads."""
-        config = self.plan.worker_config
-        start, stop = worker_share(self.plan.num_samples, worker, config.global_workers)
+        start, stop = self.plan.share(worker)
         share = stop - start
         limit = 2 * share + self.shuffle.buffer_size + self.tokenize.batch_size + 1
         for sample in samples:
@@ -259,7 +286,7 @@ class Stream(IterableDataset):
             by_pass.setdefault(p, []).append(position)
         out, names = {}, {}
         for p, positions in by_pass.items():
-            spans = self.plan.locate(p, worker, positions)
+            spans = self.plan.locate(p, positions, worker)
             for span in spans:
                 for entry, position in zip(span["entries"], span["positions"], strict=True):
                     names[(p, position)] = f"{span['shard']}/{entry['key']}"
@@ -295,7 +322,7 @@ class Stream(IterableDataset):
         last = shuffle["last"]
         window = self.pack.state()
         return {
-            "read": [last[0], last[1] + 1] if last and last[1] is not None else live["start"],
+            "read": unread(live["read"], last, self.plan.share(live["worker"])),
             "shuffle": {**shuffle, "held": [place(s) for s in shuffle["held"]]},
             "tokenize": [place(s) for s in self.tokenize.held()],
             "window": {
