@@ -401,19 +401,27 @@ class Plan(IterableDataset):
 
     def read_spans(self, pass_: int, ranges: Sequence[Sequence[int]], worker: int):
         """The spans that read places ``[a, b)`` of pass ``pass_``'s order, for each range in
-        turn, in order. Each span is one ranged read of one shard; it lists its samples
-        (``entries``) and their ``positions`` (places) in reading order."""
+        turn (ascending), in order. Each span is one ranged read of one shard; it lists its
+        samples (``entries``) and their ``positions`` (places) in reading order. The places
+        of one chunk visit, from however many ranges, go into as few reads as they need."""
         order = self.order(pass_)
+        visit, places = None, []
         for a, b in ranges:
-            v = order.visit_at(a) if a < b else 0
             while a < b:
+                v = order.visit_at(a)
                 stop = min(b, int(order.starts[v + 1]))
-                yield from self._cut(order, v, pass_, range(a, stop), worker)
-                a, v = stop, v + 1
+                if v != visit and places:
+                    yield from self._cut(order, visit, pass_, places, worker)
+                    places = []
+                visit = v
+                places.extend(range(a, stop))
+                a = stop
+        if places:
+            yield from self._cut(order, visit, pass_, places, worker)
 
-    def _cut(self, order: PassOrder, v: int, pass_: int, places: range, worker: int):
-        """Spans of consecutive places of one visit: one read while the samples fill at least
-        a quarter of the bytes read, or those bytes are at most 1 MB; else a new read."""
+    def _cut(self, order: PassOrder, v: int, pass_: int, places: Sequence[int], worker: int):
+        """Spans of ascending places of one visit: one read while the samples fill at least a
+        quarter of the bytes read, or those bytes are at most 1 MB; else a new read."""
         source = self.sources[int(order.visit_source[v])]
         number = int(order.visit_shard[v])
         shard = source.index["shards"][number]
