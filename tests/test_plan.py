@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from wdsvlm.mixture import Source, pass_counts
-from wdsvlm.plan import DataSource, Plan, WorkerConfig, worker_share
+from wdsvlm.mixture import DataSource, Source, pass_counts
+from wdsvlm.plan import Plan, WorkerConfig, worker_share
 
 from .conftest import EXAMPLE
 

@@ -305,7 +305,7 @@ def side_by_side(
     their ``ratios`` (wdsvlm over naive, None where the naive side gave nothing)."""
     from torch.utils.data import DataLoader
 
-    from .plan import resolve_source
+    from .mixture import resolve_source
 
     index, urls = resolve_source(source, storage_options)
     samples = sum(shard["samples"] for shard in index["shards"])

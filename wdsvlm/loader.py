@@ -17,16 +17,14 @@ import copy
 import hashlib
 import json
 import logging
-import math
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .cache import ShardCache
 from .collate import Collate
 from .elastic import check_states, remap
 from .errors import WdsvlmError
-from .images import ImageConfig, UnusableImage
+from .images import ImageConfig
 from .pack import BalanceBatches, Pack, tiles_cv
 from .plan import Plan, WorkerConfig
 from .processors import family_of
@@ -40,6 +38,7 @@ from .settings import (
     upgrade_state,
 )
 from .shuffle import Shuffle
+from .sizing import agreed, estimate_batches
 from .stats import SkipStats
 from .stream import STATE_KEY, STATS_KEY, Stream, fresh_state
 from .tokenize import Tokenize
@@ -48,25 +47,12 @@ from .workers import check_context, check_main_guarded, worker_context
 log = logging.getLogger("wdsvlm.loader")
 
 
-def _agreed(value: int) -> int:
-    """Rank 0's ``value`` on every rank when a process group is up (one broadcast at set-up):
-    the batches of an epoch must be the same number everywhere, even if one rank's estimate
-    met a read fault."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return value
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return int(box[0])
-
-
 class Loader:
     """Packed, fixed-shape batches ``[batch_size, max_length]`` from a wdsvlm dataset.
 
-    ``source``: a dataset folder or URL (``s3://``, ``gs://``, ...) or brace-expanded tar URLs.
+    ``source``: a dataset folder or URL (``s3://``, ``gs://``, ...), brace-expanded tar URLs,
+    or a mixture: a list of ``wdsvlm.Source`` (each with its ``repeat``, ``choose`` or
+    ``weight``) or a mixture file (``.yaml``, ``.json``); see ``mixture.py``.
     ``tokenizer``: a Hugging Face tokenizer, or a name/path for ``AutoTokenizer``; or instead
     ``processor``: a Hugging Face processor of a supported model family (Qwen2/2.5/3-VL,
     SmolVLM, Idefics3), whose image sizes, image tokens and chat template are then used, and
@@ -95,11 +81,12 @@ class Loader:
 
     Iterate it for one epoch of batches; call ``set_epoch(e)`` at the top of each epoch
     (iterating again without it goes on with the next epoch). ``state_dict()`` after any
-    step and ``load_state_dict()`` in a new process give the same batches from there on.
+    step and ``load_state_dict()`` in a new process give the same batches from there on;
+    ``load_state_dict()`` of the list of all ranks' states resumes on another topology.
     ``stats()`` reports fill, samples per pack, drops and skipped samples so far.
     """
 
-    def __init__(self, source: str | Sequence[str], tokenizer: Any = None, **settings: Any):
+    def __init__(self, source: Any, tokenizer: Any = None, **settings: Any):
         self.settings = settings = settings_from(settings)
         if (tokenizer is None) == (settings.processor is None):
             both = ", not both" if tokenizer is not None else ""
@@ -181,7 +168,9 @@ class Loader:
         # a multiple of the workers, so that each gives the same number of batches an epoch
         # and none falls behind the others epoch after epoch
         workers = self.worker_config.workers_per_rank
-        estimate = settings.batches_per_epoch or _agreed(self._estimate_batches())
+        estimate = settings.batches_per_epoch or agreed(
+            estimate_batches(self.plan, self.tokenize, self.pack, settings, self.worker_config)
+        )
         self._batches_per_epoch = -(-estimate // workers) * workers
         self.stream = Stream(
             self.plan,
@@ -278,84 +267,9 @@ class Loader:
 
     def __len__(self) -> int:
         """Batches per epoch, the same on every rank: ``batches_per_epoch``, else an
-        estimate of what one pass packs into (see ``_estimate_batches``), rounded up to a
+        estimate of what one pass packs into (see ``sizing.estimate_batches``), rounded up to a
         multiple of ``num_workers``."""
         return self._batches_per_epoch
-
-    def _estimate_batches(self) -> int:
-        """Batches of one pass per rank, from the index alone plus a few samples: image
-        tokens and tiles are exact (index sizes), text tokens are the characters scaled by
-        the characters per token measured on up to 32 samples spread over the dataset (the
-        same ones on every rank), samples that cannot fit are left out, packs are taken as 97%
-        full of tokens and of tiles, and each worker gets one batch more for the packs left at
-        the end of a pass. Every rank computes the same number."""
-        every = [
-            (source.per_pass / source.size, source, s, entry)
-            for source in self.plan.sources
-            for s, shard in enumerate(source.index["shards"])
-            for entry in shard["entries"]
-        ]
-        per_text_token = self._characters_per_token(every[:: max(1, len(every) // 32)])
-        tile_budget = self.max_tiles_per_pack or 0
-        tokens = tiles = 0.0
-        for times, _, _, entry in every:  # each sample as often as a pass holds it
-            try:
-                images = [self.tokenize.image_numbers(w, h) for w, h in entry.get("images", [])]
-            except UnusableImage:
-                continue  # skipped when it is read: an image the family refuses
-            n_tiles = sum(units for units, _ in images)
-            n_tokens = sum(t for _, t in images) + sum(entry.get("chars", [])) / per_text_token
-            if tile_budget and n_tiles > tile_budget:
-                continue  # dropped: more tiles than a pack holds
-            if n_tokens > self.max_length:
-                if not self.pack.truncate:
-                    continue  # dropped
-                n_tokens = self.max_length * 0.75
-            tokens += n_tokens * times
-            tiles += n_tiles * times
-        packs = tokens / (self.max_length * 0.97)
-        if tile_budget:
-            packs = max(packs, tiles / (tile_budget * 0.97))
-        batches = math.ceil(packs / self.worker_config.world_size / self.batch_size)
-        # and one batch per worker for the few packs each leaves at the end of a pass
-        return batches + self.worker_config.workers_per_rank
-
-    def _characters_per_token(self, chosen: list[tuple]) -> float:
-        """Characters of text (the index's ``chars``) per text token, template included,
-        measured on the ``(times, source, shard number, entry)`` of ``chosen``; 3.5 when none
-        of them can be read."""
-        spans = [
-            {
-                "url": source.urls[s],
-                "shard": source.index["shards"][s]["name"],
-                "start": entry["offset"],
-                "stop": entry["offset"] + entry["size"],
-                "entries": [entry],
-                "epoch": 0,
-                "worker": 0,
-                "storage_options": source.storage_options,
-            }
-            for _, source, s, entry in chosen
-        ]
-        quiet = SkipStats()  # a bad sample here is found again, and counted, when it is read
-        read = ReadSamples(
-            self.settings.storage_options,
-            stats=quiet,
-            policy=self.settings.read_policy,
-            on_shard_error="skip",
-        )
-        with ThreadPoolExecutor(8) as pool:  # small reads: at once, not one round trip each
-            parts = pool.map(lambda part: list(read(iter(part))), [spans[i::8] for i in range(8)])
-            samples = [s for part in parts for s in part]
-        tokenize = copy.copy(self.tokenize)
-        tokenize.stats = quiet
-        chars = text = 0
-        for sample in tokenize.encode(samples):
-            sizes = sample["__meta__"].get("images", [])
-            image_tokens = sum(tokenize.image_numbers(w, h)[1] for w, h in sizes)
-            chars += sum(sample["__meta__"].get("chars", []))
-            text += sample["num_tokens"] - image_tokens
-        return chars / text if chars and text else 3.5
 
     def _dataset_id(self) -> str:
         """The sources' shards and each source's share of a pass."""

@@ -26,18 +26,11 @@ PACK_REASONS = ("too_many_tokens", "too_many_tiles")
 
 
 def _spans(picked: Sequence[tuple[str, str, dict]]) -> Iterator[dict]:
-    """One read span per ``(shard URL, shard name, index entry)``, as ``ReadSamples`` takes
-    them."""
+    """One read span per ``(shard URL, shard name, index entry)``."""
+    from .plan import span
+
     for url, shard, entry in picked:
-        yield {
-            "url": url,
-            "shard": shard,
-            "start": entry["offset"],
-            "stop": entry["offset"] + entry["size"],
-            "entries": [entry],
-            "epoch": 0,
-            "worker": 0,
-        }
+        yield span(url, shard, [entry])
 
 
 def pick_entries(
@@ -117,7 +110,7 @@ def inspect_samples(
     """The first ``n`` samples of ``source`` (or those with ``keys``), read by their index
     offsets; with a ``tokenizer``, their token counts as the loader would make them. A sample
     the loader would skip is shown with its ``problem``."""
-    from .plan import resolve_sources
+    from .mixture import resolve_sources
     from .read import ReadSamples
 
     config = image_config or ImageConfig()

@@ -1,4 +1,8 @@
-"""Mixtures: several datasets in one stream, each with its share of every pass.
+"""Sources and mixtures: the datasets a plan reads, and each one's share of every pass.
+
+``resolve_sources`` turns what a Loader is given (a dataset folder or URL, tar URLs, a
+``Source`` or a list of them, a mixture file) into ``DataSource``s: each with its index, its
+shard URLs and its share of a pass.
 
 ``Source(path, repeat=..., choose=..., weight=..., name=...)`` names one dataset of a mixture;
 a mixture file (YAML or JSON) lists them. What a pass holds follows from the sources' sizes
@@ -16,13 +20,18 @@ alone (``pass_counts``), so it is the same on every topology:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .errors import ShardFormatError
+from .index import load_index, scan_index
 from .storage import join
+
+log = logging.getLogger("wdsvlm.mixture")
 
 
 @dataclass(frozen=True)
@@ -179,3 +188,100 @@ def _relative(folder: str, path: Any) -> Any:
     if "://" in path or os.path.isabs(path):
         return path
     return join(folder, path) if "://" in folder else os.path.normpath(os.path.join(folder, path))
+
+
+@dataclass
+class DataSource:
+    """One resolved source of the plan: its index, shard URLs and share of each pass."""
+
+    name: str
+    index: dict
+    urls: list[str]
+    copies: int = 1
+    extra: int = 0
+    storage_options: Mapping[str, Any] | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(s["samples"] for s in self.index["shards"])
+
+    @property
+    def per_pass(self) -> int:
+        return self.copies * self.size + self.extra
+
+
+def resolve_source(
+    source: str | Sequence[str], storage_options: Mapping[str, Any] | None = None, policy=None
+) -> tuple[dict, list[str]]:
+    """The index of ``source`` and the URL of each of its shards.
+
+    ``source`` is a dataset folder or URL prefix (its ``index.json`` is read), or tar URLs: a
+    brace pattern such as ``s3://b/ds/data-{000000..000006}.tar``, or a list. Tar URLs are
+    looked up in the ``index.json`` beside them when there is one, else their headers are
+    scanned once to build the index in memory.
+    """
+    if isinstance(source, str) and not source.endswith(".tar"):
+        index = load_index(source, storage_options, policy)
+        return index, [join(source, s["name"]) for s in index["shards"]]
+    urls = _expand(source)
+    folder = urls[0].rsplit("/", 1)[0] if "/" in urls[0] else "."
+    same_folder = all((u.rsplit("/", 1)[0] if "/" in u else ".") == folder for u in urls)
+    full = None
+    if same_folder:
+        try:
+            full = load_index(folder, storage_options, policy)
+        except ShardFormatError as e:  # no usable index beside the shards: scan them instead
+            log.debug("no index beside %s (%s)", urls[0], e)
+    if full is not None:
+        by_name = {s["name"]: s for s in full["shards"]}
+        names = [u.rsplit("/", 1)[-1] for u in urls]
+        if all(n in by_name for n in names):
+            return {**full, "shards": [by_name[n] for n in names]}, urls
+    log.warning("no index.json lists %s: scanning %d shards to build one", urls[0], len(urls))
+    return scan_index(urls, storage_options), urls
+
+
+def _expand(source: str | Sequence[str]) -> list[str]:
+    import braceexpand
+
+    patterns = [source] if isinstance(source, str) else list(source)
+    urls = [u for p in patterns for u in braceexpand.braceexpand(p)]
+    if not urls:
+        raise ValueError(f"no shard URLs in {source!r}")
+    return urls
+
+
+def resolve_sources(
+    source: Any,
+    storage_options: Mapping[str, Any] | None = None,
+    policy=None,
+    samples_per_pass: int | None = None,
+) -> tuple[list[DataSource], bool]:
+    """The plan's sources, each with its index, URLs and share of a pass, and whether they
+    form a mixture (keys then name their source). ``source``: a dataset folder or URL, tar
+    URLs (a brace pattern or a list), a ``Source``, a list of ``Source``, or a mixture file
+    (``.yaml``, ``.yml``, ``.json``)."""
+    mixture = True
+    if is_mixture_file(source):
+        sources, from_file = load_mixture(source, storage_options)
+        samples_per_pass = samples_per_pass if samples_per_pass is not None else from_file
+    elif isinstance(source, Source):
+        sources = [source]
+    elif not isinstance(source, str) and any(isinstance(s, Source) for s in source):
+        if not all(isinstance(s, Source) for s in source):
+            raise TypeError("a mixture is a list of wdsvlm.Source; wrap each path in Source(...)")
+        sources = list(source)
+    else:
+        sources, mixture = [Source(source)], False
+    if not sources:
+        raise ValueError("the mixture has no sources")
+    sources = named(sources)
+    resolved = []
+    for s in sources:
+        options = s.storage_options if s.storage_options is not None else storage_options
+        index, urls = resolve_source(s.path, options, policy)
+        resolved.append(DataSource(s.name, index, urls, storage_options=options))
+    counts = pass_counts([r.size for r in resolved], sources, samples_per_pass)
+    for r, (copies, extra) in zip(resolved, counts, strict=True):
+        r.copies, r.extra = copies, extra
+    return resolved, mixture or len(resolved) > 1

@@ -28,16 +28,10 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset
 
-from .errors import ShardFormatError
-from .index import load_index, scan_index
-from .mixture import Source, is_mixture_file, load_mixture, named, pass_counts
-from .storage import join
+from .mixture import DataSource, resolve_sources
 
 log = logging.getLogger("wdsvlm.plan")
 
-# Gaps between wanted samples up to this size are read through rather than split into two
-# reads: one request costs more than reading a few tens of KB.
-_READ_THROUGH_GAP = 64 * 1024
 # A span whose bytes are at most this is read in one go, however sparse its samples.
 _DENSE_ENOUGH = 2**20
 
@@ -115,24 +109,46 @@ def _rng(*parts: Any) -> np.random.Generator:
     return np.random.default_rng(int.from_bytes(digest[:16], "little"))
 
 
-@dataclass
-class DataSource:
-    """One resolved source of the plan: its index, shard URLs and share of each pass."""
+def span(
+    url: str,
+    shard: str,
+    entries: Sequence[dict],
+    *,
+    positions: Sequence[int] | None = None,
+    pass_: int = 0,
+    worker: int = 0,
+    source: str | None = None,
+    shard_bytes: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict:
+    """One ranged read of shard ``url`` (shown as ``shard``), as ``ReadSamples`` takes it: the
+    bytes from the first of ``entries`` (index entries) to the end of the last, its samples
+    listed in reading order, with their ``positions`` (places), pass, worker and source."""
+    out = {
+        "url": url,
+        "shard": shard,
+        "start": min(e["offset"] for e in entries),
+        "stop": max(e["offset"] + e["size"] for e in entries),
+        "entries": list(entries),
+        "positions": None if positions is None else list(positions),
+        "epoch": pass_,
+        "worker": worker,
+        "source": source,
+        "storage_options": storage_options,
+    }
+    if shard_bytes is not None:  # a shard cache keeps whole shards of this size
+        out["shard_bytes"] = shard_bytes
+    return out
 
-    name: str
-    index: dict
-    urls: list[str]
-    copies: int = 1
-    extra: int = 0
-    storage_options: Mapping[str, Any] | None = None
 
-    @property
-    def size(self) -> int:
-        return sum(s["samples"] for s in self.index["shards"])
-
-    @property
-    def per_pass(self) -> int:
-        return self.copies * self.size + self.extra
+def _joins(start: int, stop: int, used: int, entry: dict, limit: int) -> bool:
+    """Whether ``entry`` joins the read ``[start, stop)`` holding ``used`` bytes of samples:
+    while the read stays within ``limit`` bytes and the samples fill at least a quarter of
+    it, or it is at most 1 MB."""
+    lo, hi = min(start, entry["offset"]), max(stop, entry["offset"] + entry["size"])
+    if hi - lo <= _DENSE_ENOUGH:
+        return True
+    return hi - lo <= limit and (used + entry["size"]) * 4 >= hi - lo
 
 
 class PassOrder:
@@ -201,83 +217,6 @@ def _extra_entries(source: DataSource, number: int, seed: int, pass_: int, span_
         for c in np.unique(entries // per_chunk):
             out.append((int(s), entries[entries // per_chunk == c]))
     return out
-
-
-def resolve_source(
-    source: str | Sequence[str], storage_options: Mapping[str, Any] | None = None, policy=None
-) -> tuple[dict, list[str]]:
-    """The index of ``source`` and the URL of each of its shards.
-
-    ``source`` is a dataset folder or URL prefix (its ``index.json`` is read), or tar URLs: a
-    brace pattern such as ``s3://b/ds/data-{000000..000006}.tar``, or a list. Tar URLs are
-    looked up in the ``index.json`` beside them when there is one, else their headers are
-    scanned once to build the index in memory.
-    """
-    if isinstance(source, str) and not source.endswith(".tar"):
-        index = load_index(source, storage_options, policy)
-        return index, [join(source, s["name"]) for s in index["shards"]]
-    urls = _expand(source)
-    folder = urls[0].rsplit("/", 1)[0] if "/" in urls[0] else "."
-    same_folder = all((u.rsplit("/", 1)[0] if "/" in u else ".") == folder for u in urls)
-    full = None
-    if same_folder:
-        try:
-            full = load_index(folder, storage_options, policy)
-        except ShardFormatError as e:  # no usable index beside the shards: scan them instead
-            log.debug("no index beside %s (%s)", urls[0], e)
-    if full is not None:
-        by_name = {s["name"]: s for s in full["shards"]}
-        names = [u.rsplit("/", 1)[-1] for u in urls]
-        if all(n in by_name for n in names):
-            return {**full, "shards": [by_name[n] for n in names]}, urls
-    log.warning("no index.json lists %s: scanning %d shards to build one", urls[0], len(urls))
-    return scan_index(urls, storage_options), urls
-
-
-def _expand(source: str | Sequence[str]) -> list[str]:
-    import braceexpand
-
-    patterns = [source] if isinstance(source, str) else list(source)
-    urls = [u for p in patterns for u in braceexpand.braceexpand(p)]
-    if not urls:
-        raise ValueError(f"no shard URLs in {source!r}")
-    return urls
-
-
-def resolve_sources(
-    source: Any,
-    storage_options: Mapping[str, Any] | None = None,
-    policy=None,
-    samples_per_pass: int | None = None,
-) -> tuple[list[DataSource], bool]:
-    """The plan's sources, each with its index, URLs and share of a pass, and whether they
-    form a mixture (keys then name their source). ``source``: a dataset folder or URL, tar
-    URLs (a brace pattern or a list), a ``Source``, a list of ``Source``, or a mixture file
-    (``.yaml``, ``.yml``, ``.json``)."""
-    mixture = True
-    if is_mixture_file(source):
-        sources, from_file = load_mixture(source, storage_options)
-        samples_per_pass = samples_per_pass if samples_per_pass is not None else from_file
-    elif isinstance(source, Source):
-        sources = [source]
-    elif not isinstance(source, str) and any(isinstance(s, Source) for s in source):
-        if not all(isinstance(s, Source) for s in source):
-            raise TypeError("a mixture is a list of wdsvlm.Source; wrap each path in Source(...)")
-        sources = list(source)
-    else:
-        sources, mixture = [Source(source)], False
-    if not sources:
-        raise ValueError("the mixture has no sources")
-    sources = named(sources)
-    resolved = []
-    for s in sources:
-        options = s.storage_options if s.storage_options is not None else storage_options
-        index, urls = resolve_source(s.path, options, policy)
-        resolved.append(DataSource(s.name, index, urls, storage_options=options))
-    counts = pass_counts([r.size for r in resolved], sources, samples_per_pass)
-    for r, (copies, extra) in zip(resolved, counts, strict=True):
-        r.copies, r.extra = copies, extra
-    return resolved, mixture or len(resolved) > 1
 
 
 class Plan(IterableDataset):
@@ -420,50 +359,46 @@ class Plan(IterableDataset):
             yield from self._cut(order, visit, pass_, places, worker)
 
     def _cut(self, order: PassOrder, v: int, pass_: int, places: Sequence[int], worker: int):
-        """Spans of ascending places of one visit: one read while the samples fill at least a
-        quarter of the bytes read, or those bytes are at most 1 MB; else a new read."""
+        """Spans of ascending places of one visit, cut where an entry would not join
+        (``_joins``)."""
         source = self.sources[int(order.visit_source[v])]
         number = int(order.visit_shard[v])
-        shard = source.index["shards"][number]
-        entries = shard["entries"]
-        current: dict | None = None
-        for place in places:
-            entry = entries[int(order.entries[place])]
-            begin, end = entry["offset"], entry["offset"] + entry["size"]
-            if current is not None:
-                lo, hi = min(current["start"], begin), max(current["stop"], end)
-                used = current["used"] + entry["size"]
-                if used * 4 >= hi - lo or hi - lo <= _DENSE_ENOUGH:
-                    current.update(start=lo, stop=hi, used=used)
-                    current["entries"].append(entry)
-                    current["positions"].append(place)
-                    continue
-                yield self._span(source, number, current, pass_, worker)
-            current = {
-                "start": begin,
-                "stop": end,
-                "used": entry["size"],
-                "entries": [entry],
-                "positions": [place],
-            }
-        if current is not None:
-            yield self._span(source, number, current, pass_, worker)
+        entries = source.index["shards"][number]["entries"]
+        yield from self._spans_of(
+            source, number, [(entries[int(order.entries[p])], p) for p in places], pass_, worker
+        )
 
-    def _span(self, source: DataSource, number: int, part: dict, pass_: int, worker: int):
+    def _spans_of(self, source, number: int, found: list[tuple], pass_: int, worker: int):
+        """Spans of ``(entry, place)`` of one shard, in their order, a new read wherever the
+        next entry does not join the current one."""
+        part: list[tuple] = []
+        start = stop = used = 0
+        for entry, place in found:
+            if part and not _joins(start, stop, used, entry, self.span_bytes):
+                yield self._span(source, number, part, pass_, worker)
+                part = []
+            if not part:
+                start, stop, used = entry["offset"], entry["offset"], 0
+            part.append((entry, place))
+            start = min(start, entry["offset"])
+            stop = max(stop, entry["offset"] + entry["size"])
+            used += entry["size"]
+        if part:
+            yield self._span(source, number, part, pass_, worker)
+
+    def _span(self, source, number: int, part: list[tuple], pass_: int, worker: int) -> dict:
         shard = source.index["shards"][number]
-        return {
-            "url": source.urls[number],
-            "shard": f"{source.name}/{shard['name']}" if self.mixture else shard["name"],
-            "shard_bytes": shard["bytes"],
-            "start": part["start"],
-            "stop": part["stop"],
-            "entries": part["entries"],
-            "positions": part["positions"],
-            "epoch": pass_,
-            "worker": worker,
-            "source": source.name if self.mixture else None,
-            "storage_options": source.storage_options,
-        }
+        return span(
+            source.urls[number],
+            f"{source.name}/{shard['name']}" if self.mixture else shard["name"],
+            [entry for entry, _ in part],
+            positions=[place for _, place in part],
+            pass_=pass_,
+            worker=worker,
+            source=source.name if self.mixture else None,
+            shard_bytes=shard["bytes"],
+            storage_options=source.storage_options,
+        )
 
     def locate(self, pass_: int, places: Sequence[int], worker: int = 0) -> list[dict]:
         """Spans that hold the given places of pass ``pass_`` (neighbours in a shard merged
@@ -473,27 +408,10 @@ class Plan(IterableDataset):
         for place in sorted(set(int(p) for p in places)):
             v = order.visit_at(place)
             key = (int(order.visit_source[v]), int(order.visit_shard[v]))
-            source = self.sources[key[0]]
-            entry = source.index["shards"][key[1]]["entries"][int(order.entries[place])]
-            by_shard.setdefault(key, []).append((entry, place))
+            entries = self.sources[key[0]].index["shards"][key[1]]["entries"]
+            by_shard.setdefault(key, []).append((entries[int(order.entries[place])], place))
         out: list[dict] = []
         for (s, number), found in by_shard.items():
             found.sort(key=lambda f: f[0]["offset"])
-            part = None
-            for entry, place in found:
-                end = entry["offset"] + entry["size"]
-                if (
-                    part is not None
-                    and entry["offset"] - part["stop"] <= _READ_THROUGH_GAP
-                    and end - part["start"] <= self.span_bytes
-                ):
-                    part["stop"] = max(part["stop"], end)
-                    part["entries"].append(entry)
-                    part["positions"].append(place)
-                    continue
-                if part is not None:
-                    out.append(self._span(self.sources[s], number, part, pass_, worker))
-                part = {"start": entry["offset"], "stop": end, "entries": [entry]}
-                part["positions"] = [place]
-            out.append(self._span(self.sources[s], number, part, pass_, worker))
+            out += self._spans_of(self.sources[s], number, found, pass_, worker)
         return out
