@@ -7,7 +7,7 @@ from wdsvlm.shuffle import Shuffle, sample_nbytes
 
 def big_samples(n, size=1_000_000, epoch=0, worker=0):
     return [
-        {"__key__": f"{i:04d}", "__epoch__": epoch, "__worker__": worker, "0.jpg": bytes(size)}
+        {"__key__": f"{i:04d}", "__pass__": epoch, "__worker__": worker, "0.jpg": bytes(size)}
         for i in range(n)
     ]
 

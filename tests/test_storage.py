@@ -369,3 +369,15 @@ def test_skip_mode_resumes_past_a_shard_that_went_away(tmp_path):
     keys = [k for b in resumed for row in b["sample_keys"] for k in row]
     assert keys and not any(k.startswith(gone + "/") for k in keys)
     assert resumed.stats()["skipped"]["unreadable_shard"] > 0
+
+
+def test_a_mixture_file_in_a_bucket_names_its_sources_relative_to_it(s3_bucket, tmp_path):
+    bucket, options = s3_bucket
+    upload(EXAMPLE, f"{bucket}/mix/example", options)
+    text = b"sources:\n  - {path: example, repeat: 0.5}\n  - {path: example, choose: 10, name: b}\n"
+    fs, path = fsspec.core.url_to_fs(f"{bucket}/mix/mixture.yaml", **options)
+    fs.pipe(path, text)
+    os.symlink(EXAMPLE, tmp_path / "example")
+    (tmp_path / "mixture.yaml").write_bytes(text)
+    remote = batches_of(f"{bucket}/mix/mixture.yaml", options, batches_per_epoch=3)
+    assert remote == batches_of(str(tmp_path / "mixture.yaml"), batches_per_epoch=3)

@@ -145,7 +145,7 @@ def collate_rows(
         "sample_keys": [
             [f"{s.get('__shard__', '?')}/{s.get('__key__', '?')}" for s in row] for row in rows
         ],
-        "sample_passes": [[s.get("__epoch__", 0) for s in row] for row in rows],
+        "sample_passes": [[s.get("__pass__", 0) for s in row] for row in rows],
     }
     if any("__source__" in s for s in samples):  # a mixture: which source each sample is of
         batch["sample_sources"] = [[s.get("__source__") for s in row] for row in rows]

@@ -363,7 +363,7 @@ def truncate_at_answer(sample: dict, max_length: int) -> dict | None:
 class Pack:
     """Pipeline stage: tokenized samples -> packs (lists of samples, in pack order).
 
-    Samples of one pass (``__epoch__``) are packed together: the first sample of a new pass
+    Samples of one pass (``__pass__``) are packed together: the first sample of a new pass
     first empties the window of the last one's (``Packer.drain``: by best-fit-decreasing over
     all the window holds, so the end of a pass packs about as well as its middle). Letting
     the window run on into the next pass instead did worse on ``scripts/bench_packing.py``'s
@@ -427,7 +427,7 @@ class Pack:
                     ),
                 )
                 continue
-            if packer.waiting and sample.get("__epoch__") != packer.waiting[-1][0].get("__epoch__"):
+            if packer.waiting and sample.get("__pass__") != packer.waiting[-1][0].get("__pass__"):
                 ready.extend(packer.drain())  # a new pass begins: the last one's samples first
             # the sample goes into the window before any pack is handed on, and packs wait in
             # ``ready``: a state taken while a pack is out holds every sample
@@ -464,8 +464,8 @@ class Pack:
         }
 
 
-def _epoch_of(pack: list[dict]):
-    return pack[0].get("__epoch__") if pack else None
+def _pass_of(pack: list[dict]):
+    return pack[0].get("__pass__") if pack else None
 
 
 def choose_batch(tiles: Sequence[int], batch_size: int, target: float) -> list[int]:
@@ -492,7 +492,7 @@ class BalanceBatches:
     Holds up to ``spread * batch_size`` packs and forms each batch around the mean tiles of
     what it holds (``choose_batch``); packs keep their fill, only their grouping changes. The
     oldest pack always goes into the next batch, so no pack waits long. When packs of a new
-    pass (``__epoch__``) arrive, the last pass's packs are batched among themselves first
+    pass (``__pass__``) arrive, the last pass's packs are batched among themselves first
     (fewer than ``batch_size`` left over join the new pass's batches). ``cv`` is the
     coefficient of variation of tiles per full batch so far.
     """
@@ -520,8 +520,8 @@ class BalanceBatches:
         # Decided afresh before each pull from what is held, so a resumed stage that holds
         # the same packs goes on the same way.
         while True:
-            newest = _epoch_of(held[-1][0]) if held else None
-            older = [i for i, (pack, _) in enumerate(held) if _epoch_of(pack) != newest]
+            newest = _pass_of(held[-1][0]) if held else None
+            older = [i for i, (pack, _) in enumerate(held) if _pass_of(pack) != newest]
             if len(older) >= self.batch_size:  # a new pass began: batch the last one's first
                 yield self._take(held, older)
             elif len(held) >= self.spread * self.batch_size:

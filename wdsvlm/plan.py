@@ -131,7 +131,7 @@ def span(
         "stop": max(e["offset"] + e["size"] for e in entries),
         "entries": list(entries),
         "positions": None if positions is None else list(positions),
-        "epoch": pass_,
+        "pass": pass_,
         "worker": worker,
         "source": source,
         "storage_options": storage_options,

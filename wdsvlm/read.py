@@ -31,7 +31,7 @@ class ReadSamples:
     """Pipeline stage: plan spans -> samples.
 
     A sample is ``{"__key__", "__shard__", "__url__", "__meta__" (its index entry),
-    "__epoch__" (its pass), "__worker__", "__pos__" (its place in the pass's global order),
+    "__pass__" (its pass), "__worker__", "__pos__" (its place in the pass's global order),
     "__source__" (its source's name), "json": bytes, "0.jpg": bytes, ...}``: member names
     without the key, as webdataset names them.
     """
@@ -124,22 +124,22 @@ class ReadSamples:
             thread.join()
 
     def __call__(self, spans: Iterator[dict]) -> Iterator[dict]:
-        failed: set[tuple] = set()  # (url, epoch): a shard given up on, for this pass
-        epoch, yielded = None, 0
+        failed: set[tuple] = set()  # (url, pass): a shard given up on, for this pass
+        pass_, yielded = None, 0
         for span, data in self._fetched(spans):
-            if span.get("epoch") != epoch:
-                if epoch is not None and not yielded:  # skip mode must not spin forever
+            if span.get("pass") != pass_:
+                if pass_ is not None and not yielded:  # skip mode must not spin forever
                     raise StorageError(
                         f"a whole pass over global worker {span.get('worker')}'s share gave no "
                         f"sample that could be read; the last shard: {span['url']}"
                     )
-                epoch, yielded = span.get("epoch"), 0
-            if (span["url"], epoch) in failed:
+                pass_, yielded = span.get("pass"), 0
+            if (span["url"], pass_) in failed:
                 data = StorageError(f"{span['url']}: skipped after an earlier failure")
             if isinstance(data, StorageError):
                 if self.on_shard_error == "raise":
                     raise data  # it names the shard's URL, the byte and the cause
-                failed.add((span["url"], epoch))
+                failed.add((span["url"], pass_))
                 for entry in span["entries"]:
                     sample = {"__key__": entry["key"], "__shard__": span["shard"]}
                     self.stats.skip("read", "unreadable_shard", sample, str(data), streak=False)
@@ -151,7 +151,7 @@ class ReadSamples:
                     "__shard__": span["shard"],
                     "__url__": span["url"],
                     "__meta__": entry,
-                    "__epoch__": span["epoch"],
+                    "__pass__": span.get("pass", 0),
                     "__worker__": span["worker"],
                     "__pos__": position,
                 }

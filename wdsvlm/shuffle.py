@@ -21,7 +21,7 @@ class Shuffle:
     """Pipeline stage: a shuffle buffer of at most ``buffer_size`` samples and ``buffer_bytes``
     bytes (a single sample larger than that passes through alone).
 
-    Its random order follows from ``seed`` and the ``__epoch__`` and ``__worker__`` that the
+    Its random order follows from ``seed`` and the ``__pass__`` and ``__worker__`` that the
     plan puts on every sample, never from global random state; a sample of a new epoch first
     empties the buffer, so epochs do not mix. The n-th draw is a hash of
     those and n, so the buffer's whole state is its samples and the count of draws (``state``,
@@ -42,7 +42,7 @@ class Shuffle:
 
     def state(self) -> dict:
         """Where the running buffer stands: ``held`` (its samples, in buffer order), ``draws``
-        and ``stream`` (what seeds the draws), ``last`` (``__epoch__`` and ``__pos__`` of the last
+        and ``stream`` (what seeds the draws), ``last`` (``__pass__`` and ``__pos__`` of the last
         sample taken in)."""
         live = self._live
         return {
@@ -68,9 +68,9 @@ class Shuffle:
         held = sum(size for _, size in buffer)
         for sample in samples:
             if live["stream"] is None:
-                live["stream"] = f"{sample.get('__epoch__', 0)}/{sample.get('__worker__', 0)}"
+                live["stream"] = f"{sample.get('__pass__', 0)}/{sample.get('__worker__', 0)}"
             size = sample_nbytes(sample)
-            if buffer and sample.get("__epoch__") != buffer[-1][0].get("__epoch__"):
+            if buffer and sample.get("__pass__") != buffer[-1][0].get("__pass__"):
                 while buffer:  # a new epoch begins: the last one's samples all go first
                     yield self._pop(live)[0]
                 held = 0
@@ -79,7 +79,7 @@ class Shuffle:
                 held -= out_size
                 yield out
             buffer.append((sample, size))
-            live["last"] = (sample.get("__epoch__"), sample.get("__pos__"))
+            live["last"] = (sample.get("__pass__"), sample.get("__pos__"))
             held += size
             self.peak_bytes = max(self.peak_bytes, held)
         while buffer:

@@ -44,7 +44,7 @@ STATS_KEY = "_wdsvlm_stats"
 def place(sample: dict) -> list[int]:
     """A sample's place: ``[pass, place in the pass's global order]`` (the same on any
     topology)."""
-    return [sample["__epoch__"], sample["__pos__"]]
+    return [sample["__pass__"], sample["__pos__"]]
 
 
 def fresh_state(epoch: int, segments: list | None = None) -> dict:
