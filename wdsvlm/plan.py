@@ -154,69 +154,97 @@ def _joins(start: int, stop: int, used: int, entry: dict, limit: int) -> bool:
 class PassOrder:
     """The global order of one pass: every sample the pass holds, all sources together, as
     ``(source, shard, entry)`` at places ``0 .. size - 1``. A pure function of the sources,
-    the seed and the pass, never of the topology.
+    the seed and the pass, never of the topology, computed from per-shard counts alone: its
+    memory and time grow with the number of chunks, never with the number of samples.
 
     It is built from chunks: runs of about ``span_bytes`` of neighbouring samples of a shard
-    (from the shard's sample count and bytes), each read with one ranged read. A pass takes
-    each chunk of a source ``copies`` times, and the chunks holding the source's ``extra``
-    samples of this pass once more with just those; the chunk visits are shuffled, and the
-    samples inside each visit.
+    (from the shard's sample count and bytes), each read with one ranged read. A pass visits
+    each chunk of a source ``copies`` times, and the source's ``extra`` samples of this pass
+    once more: a window of ``extra`` samples of the source in a seeded rotation order of its
+    chunks (fixed for the source), moved on by ``extra`` each pass, so that successive passes
+    rotate through the whole source; each chunk it touches is one more visit. The visits are
+    shuffled; the samples inside a visit are in a seeded order of their own, generated when
+    the visit is read (``entries_of``).
     """
 
     def __init__(self, sources: Sequence[DataSource], seed: int, pass_: int, span_bytes: int):
-        visit_source, visit_shard, parts = [], [], []
+        parts = []  # (source, shard, first entry, stop) arrays
         for number, source in enumerate(sources):
-            shards = source.index["shards"]
-            chunks = []  # (shard, first entry, stop)
-            for s, shard in enumerate(shards):
-                n = shard["samples"]
-                per_chunk = max(1, int(span_bytes * n / max(1, shard.get("bytes") or 1)))
-                chunks += [(s, a, min(n, a + per_chunk)) for a in range(0, n, per_chunk)]
+            shard, first, stop = _chunks(source, span_bytes)
             for _ in range(source.copies):
-                for s, a, b in chunks:
-                    visit_source.append(number)
-                    visit_shard.append(s)
-                    parts.append(np.arange(a, b, dtype=np.int64))
+                parts.append((np.full(len(shard), number), shard, first, stop))
             if source.extra:
-                for s, entries in _extra_entries(source, number, seed, pass_, span_bytes):
-                    visit_source.append(number)
-                    visit_shard.append(s)
-                    parts.append(entries)
-        rng = _rng("wdsvlm-pass", seed, pass_)
-        order = rng.permutation(len(parts))
-        parts = [parts[i] for i in order]
-        self.visit_source = np.asarray(visit_source, dtype=np.int64)[order]
-        self.visit_shard = np.asarray(visit_shard, dtype=np.int64)[order]
-        sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
-        self.starts = np.concatenate([[0], np.cumsum(sizes)])
-        entries = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        visit_of = np.repeat(np.arange(len(parts)), sizes)
-        self.entries = entries[np.lexsort((rng.random(len(entries)), visit_of))]
+                extra = _extra_visits(source, number, seed, pass_, shard, first, stop)
+                parts.append((np.full(len(extra[0]), number), *extra))
+        columns = [np.concatenate([p[i] for p in parts]) for i in range(4)] if parts else None
+        if columns is None:
+            columns = [np.zeros(0, dtype=np.int64)] * 4
+        order = _rng("wdsvlm-pass", seed, pass_).permutation(len(columns[0]))
+        self.visit_source, self.visit_shard, self.first, self.stop = (
+            c.astype(np.int64)[order] for c in columns
+        )
+        self.starts = np.concatenate([[0], np.cumsum(self.stop - self.first)])
         self.size = int(self.starts[-1])
+        self._seed, self._pass = seed, pass_
+        self._visits: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def visit_at(self, place: int) -> int:
         return int(np.searchsorted(self.starts, place, side="right")) - 1
 
+    def entries_of(self, v: int) -> np.ndarray:
+        """The entry numbers of visit ``v`` (of its shard), in the visit's seeded order."""
+        entries = self._visits.get(v)
+        if entries is None:
+            first, stop = int(self.first[v]), int(self.stop[v])
+            entries = first + _rng("wdsvlm-visit", self._seed, self._pass, v).permutation(
+                stop - first
+            )
+            self._visits[v] = entries
+            while len(self._visits) > 8:
+                self._visits.popitem(last=False)
+        return entries
 
-def _extra_entries(source: DataSource, number: int, seed: int, pass_: int, span_bytes: int):
-    """``(shard, entries)`` per chunk holding the source's extra samples of this pass: a window
-    of ``extra`` places of one seeded permutation of the source, moved on by ``extra`` each
-    pass (wrapping), so that successive passes rotate through the whole source."""
+    def entry_at(self, place: int) -> tuple[int, int, int]:
+        """``(source, shard, entry)`` at ``place``."""
+        v = self.visit_at(place)
+        entry = int(self.entries_of(v)[place - int(self.starts[v])])
+        return int(self.visit_source[v]), int(self.visit_shard[v]), entry
+
+
+def _chunks(source: DataSource, span_bytes: int):
+    """``(shard, first entry, stop)`` of each chunk of the source, in shard order: runs of
+    neighbouring samples of about ``span_bytes``, from each shard's sample count and bytes."""
+    shards = source.index["shards"]
+    samples = np.fromiter((s["samples"] for s in shards), dtype=np.int64, count=len(shards))
+    nbytes = np.fromiter((s.get("bytes") or 1 for s in shards), dtype=np.int64, count=len(shards))
+    per_chunk = np.maximum(1, span_bytes * samples // np.maximum(1, nbytes))
+    counts = -(-samples // per_chunk)
+    shard = np.repeat(np.arange(len(shards)), counts)
+    within = np.arange(len(shard)) - np.repeat(np.cumsum(counts) - counts, counts)
+    first = within * per_chunk[shard]
+    return shard, first, np.minimum(first + per_chunk[shard], samples[shard])
+
+
+def _extra_visits(source: DataSource, number: int, seed: int, pass_: int, shard, first, stop):
+    """``(shard, first entry, stop)`` of the visits holding the source's extra samples of this
+    pass: the window ``[pass * extra, (pass + 1) * extra)`` (modulo the source's size) of the
+    source's samples with its chunks in a seeded rotation order, fixed for the source."""
     n = source.size
-    permutation = _rng("wdsvlm-extra", seed, number, source.name).permutation(n)
-    first = (pass_ * source.extra) % n
-    chosen = np.take(permutation, np.arange(first, first + source.extra), mode="wrap")
-    bounds = np.cumsum([0] + [s["samples"] for s in source.index["shards"]])
-    shard_of = np.searchsorted(bounds, chosen, side="right") - 1
-    entry_of = chosen - bounds[shard_of]
-    out = []
-    for s in np.unique(shard_of):
-        shard = source.index["shards"][s]
-        per_chunk = max(1, int(span_bytes * shard["samples"] / max(1, shard.get("bytes") or 1)))
-        entries = np.sort(entry_of[shard_of == s])
-        for c in np.unique(entries // per_chunk):
-            out.append((int(s), entries[entries // per_chunk == c]))
-    return out
+    rotation = _rng("wdsvlm-extra", seed, number, source.name).permutation(len(shard))
+    shard, first, stop = shard[rotation], first[rotation], stop[rotation]
+    ends = np.cumsum(stop - first)
+    begins = ends - (stop - first)
+    start = (pass_ * source.extra) % n
+    windows = [(start, min(n, start + source.extra))]
+    if start + source.extra > n:  # wrapping round to the source's start
+        windows.append((0, start + source.extra - n))
+    out = [[], [], []]
+    for lo, hi in windows:
+        touched = (ends > lo) & (begins < hi)
+        out[0].append(shard[touched])
+        out[1].append(first[touched] + np.maximum(0, lo - begins[touched]))
+        out[2].append(first[touched] + np.minimum(stop - first, hi - begins)[touched])
+    return tuple(np.concatenate(parts) for parts in out)
 
 
 class Plan(IterableDataset):
@@ -364,9 +392,9 @@ class Plan(IterableDataset):
         source = self.sources[int(order.visit_source[v])]
         number = int(order.visit_shard[v])
         entries = source.index["shards"][number]["entries"]
-        yield from self._spans_of(
-            source, number, [(entries[int(order.entries[p])], p) for p in places], pass_, worker
-        )
+        numbers, start = order.entries_of(v), int(order.starts[v])
+        found = [(entries[int(numbers[p - start])], p) for p in places]
+        yield from self._spans_of(source, number, found, pass_, worker)
 
     def _spans_of(self, source, number: int, found: list[tuple], pass_: int, worker: int):
         """Spans of ``(entry, place)`` of one shard, in their order, a new read wherever the
@@ -406,10 +434,9 @@ class Plan(IterableDataset):
         order = self.order(pass_)
         by_shard: dict[tuple, list] = {}
         for place in sorted(set(int(p) for p in places)):
-            v = order.visit_at(place)
-            key = (int(order.visit_source[v]), int(order.visit_shard[v]))
-            entries = self.sources[key[0]].index["shards"][key[1]]["entries"]
-            by_shard.setdefault(key, []).append((entries[int(order.entries[place])], place))
+            source, shard, entry = order.entry_at(place)
+            entries = self.sources[source].index["shards"][shard]["entries"]
+            by_shard.setdefault((source, shard), []).append((entries[entry], place))
         out: list[dict] = []
         for (s, number), found in by_shard.items():
             found.sort(key=lambda f: f[0]["offset"])
