@@ -18,6 +18,8 @@ import torch.multiprocessing as mp
 from PIL import Image
 
 import wdsvlm
+from wdsvlm.index import shard_summary, sidecar_entry
+from wdsvlm.sidecar import pack_entries, sidecar_name
 
 from .conftest import EXAMPLE, write_jsonl
 
@@ -66,16 +68,27 @@ def write_uneven(folder, sizes, tmp) -> str:
             jsonl = write_jsonl(os.path.join(tmp, f"part{s}.jsonl"), records)
             wdsvlm.write_dataset(jsonl, part, prefix=f"p{s}", progress=False)
             index = json.load(open(os.path.join(part, "index.json")))
-            for shard in index["shards"]:
-                os.rename(os.path.join(part, shard["name"]), os.path.join(folder, shard["name"]))
+            for shard in index["shards"]:  # the shard and its sidecar
+                for name in (shard["name"], shard["sidecar"]["name"]):
+                    os.rename(os.path.join(part, name), os.path.join(folder, name))
                 shards.append(shard)
-        else:  # an empty shard: a tar of end-of-archive blocks only
+        else:  # an empty shard: a tar of end-of-archive blocks only, and an empty sidecar
             name = f"p{s}-000000.tar"
             with open(os.path.join(folder, name), "wb") as f:
                 f.write(b"\0" * 1024)
             digest = hashlib.sha256(b"\0" * 1024).hexdigest()
+            sidecar = pack_entries([])
+            with open(os.path.join(folder, sidecar_name(name)), "wb") as f:
+                f.write(sidecar)
             shards.append(
-                {"name": name, "samples": 0, "bytes": 1024, "sha256": digest, "entries": []}
+                {
+                    "name": name,
+                    "samples": 0,
+                    "bytes": 1024,
+                    "sha256": digest,
+                    "sidecar": sidecar_entry(sidecar_name(name), sidecar),
+                    **shard_summary([]),
+                }
             )
     index["shards"] = shards
     index["totals"] = {**index["totals"], "samples": n, "shards": len(shards)}
@@ -92,7 +105,7 @@ def uneven(tmp_path_factory):
 
 
 def all_keys(folder) -> list[str]:
-    index = json.load(open(os.path.join(folder, "index.json")))
+    index = wdsvlm.load_index(folder)
     return sorted(f"{s['name']}/{e['key']}" for s in index["shards"] for e in s["entries"])
 
 

@@ -13,6 +13,7 @@ import webdataset as wds
 
 from wdsvlm import BadInputError, DatasetExistsError, load_index, verify_dataset, write_dataset
 from wdsvlm import write as write_module
+from wdsvlm.sidecar import Entries
 from wdsvlm.storage import filesystem
 
 from .conftest import decode, make_image, read_image_bytes, write_jsonl
@@ -115,12 +116,22 @@ def test_index_describes_shards_images_and_texts(llava_input, tmp_path):
     out = str(tmp_path / "ds")
     write_dataset(path, out, image_root=root, samples_per_shard=5, progress=False)
     index = load_index(out)
-    assert (index["format"], index["version"]) == ("wdsvlm", 1)
+    assert (index["format"], index["version"]) == ("wdsvlm", 2)
     assert [s["name"] for s in index["shards"]] == [f"data-{i:06d}.tar" for i in range(3)]
     for shard in index["shards"]:
         data = read_image_bytes(os.path.join(out, shard["name"]))
         assert shard["bytes"] == len(data)
         assert shard["sha256"] == hashlib.sha256(data).hexdigest()
+        # version 2: the samples' entries in a sidecar beside the shard, sums in the root
+        sidecar = read_image_bytes(os.path.join(out, shard["sidecar"]["name"]))
+        assert shard["sidecar"]["name"] == shard["name"].replace(".tar", ".idx")
+        assert shard["sidecar"]["sha256"] == hashlib.sha256(sidecar).hexdigest()
+        listed = list(shard["entries"])
+        assert shard["sums"]["images"] == sum(len(e["images"]) for e in listed)
+        assert shard["sums"]["chars"] == sum(sum(e["chars"]) for e in listed)
+        assert shard["keys"] == [listed[0]["key"], listed[-1]["key"]]
+    root = json.load(open(os.path.join(out, "index.json")))
+    assert all("entries" not in s for s in root["shards"])  # one entry per shard
     entries = [e for s in index["shards"] for e in s["entries"]]
     assert [e["chars"] for e in entries] == [
         [len(m["content"]) for m in json.loads(s["json"])["messages"]]
@@ -150,7 +161,7 @@ def test_workers_1_and_3_write_identical_datasets(llava_input, tmp_path):
     one, three = str(tmp_path / "w1"), str(tmp_path / "w3")
     write_dataset(path, one, image_root=root, samples_per_shard=2, workers=1, progress=False)
     write_dataset(path, three, image_root=root, samples_per_shard=2, workers=3, progress=False)
-    assert len(os.listdir(three)) == 7  # 6 shards + index
+    assert len(os.listdir(three)) == 13  # 6 shards, their 6 sidecars and the index
     assert files_of(one) == files_of(three)
 
 
@@ -247,6 +258,9 @@ def test_a_failure_mid_write_leaves_no_index_and_no_partial_shard(
     assert "index.json" not in names
     assert not [n for n in names if n.endswith(".tmp")], names  # staging files cleaned up
     for name in names:  # whatever shard is visible is complete: it reads to the end
+        if name.endswith(".idx"):  # and so is a sidecar
+            assert len(Entries(open(os.path.join(out, name), "rb").read(), name)) == 3
+            continue
         with tarfile.open(os.path.join(out, name)) as tar:
             assert len(tar.getmembers()) > 0
 
@@ -264,7 +278,8 @@ def test_existing_dataset_is_kept_unless_overwrite(llava_input, cauldron_input, 
         write_dataset(cpath, out, image_root=str(tmp_path), overwrite=True, progress=False)
     assert files_of(out) == before
     write_dataset(cpath, out, image_root=croot, overwrite=True, progress=False)
-    assert sorted(os.listdir(out)) == ["data-000000.tar", "index.json"]  # stale shards removed
+    # stale shards and their sidecars removed
+    assert sorted(os.listdir(out)) == ["data-000000.idx", "data-000000.tar", "index.json"]
     assert len(stream(out)) == 3
 
 

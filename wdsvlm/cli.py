@@ -115,6 +115,22 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("source", metavar="SOURCE", help="dataset folder or URL")
     _common(verify)
 
+    index = commands.add_parser(
+        "index",
+        help="upgrade a dataset's index to version 2, without touching its shards",
+        description="--upgrade: write each shard's sidecar (its samples' offsets, sizes, image "
+        "sizes and characters per turn) beside it and a root index.json of one entry per "
+        "shard; the tars are not rewritten. index.json is replaced last.",
+    )
+    index.add_argument("source", metavar="SOURCE", help="dataset folder or URL")
+    index.add_argument(
+        "--upgrade",
+        action="store_true",
+        required=True,
+        help="turn a version-1 index into version 2",
+    )
+    _common(index)
+
     inspect = commands.add_parser(
         "inspect",
         help="print a few samples and draw them on a contact sheet",
@@ -272,6 +288,19 @@ def _verify(args: argparse.Namespace) -> None:
     )
 
 
+def _index(args: argparse.Namespace) -> None:
+    from .index import upgrade_dataset
+
+    before, index = upgrade_dataset(args.source, args.storage_options)
+    if before == index["version"]:
+        print(f"{args.source}: the index is version {before} already; nothing to do")
+    else:
+        print(
+            f"{args.source}: index version {before} -> {index['version']}: "
+            f"{len(index['shards'])} sidecars written, index.json replaced"
+        )
+
+
 def _inspect(args: argparse.Namespace) -> None:
     from .look import inspect_samples
 
@@ -376,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     run = {
         "write": _write,
         "verify": _verify,
+        "index": _index,
         "inspect": _inspect,
         "stats": _stats,
         "bench": _bench,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tarfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .errors import ShardFormatError
@@ -17,7 +17,8 @@ from .storage import filesystem, join, read_bytes
 from .tarball import padded
 
 FORMAT = "wdsvlm"
-VERSION = 1
+VERSION = 2  # written; version 1 (every sample's entry in index.json) is still read
+READABLE = (1, 2)
 INDEX_NAME = "index.json"
 SKIPPED_NAME = "skipped.jsonl"
 
@@ -51,32 +52,60 @@ def load_index(source: str, storage_options: Mapping[str, Any] | None = None, po
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ShardFormatError(f"{url} is not valid JSON: {e}") from None
     check_index(index, url)
+    if index["version"] >= 2:  # each shard's entries from its sidecar, when first needed
+        from .sidecar import LazyEntries
+
+        for shard in index["shards"]:
+            sidecar = join(source, shard["sidecar"]["name"])
+            shard["entries"] = LazyEntries(sidecar, shard["samples"], storage_options, policy)
     return index
 
 
 def check_index(index: Any, where: str) -> None:
-    """Raise ``ShardFormatError`` naming ``where`` unless ``index`` has the version-1 layout."""
+    """Raise ``ShardFormatError`` naming ``where`` unless ``index`` has the layout of a
+    version this wdsvlm reads (1: entries in the index; 2: entries in sidecars)."""
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise ShardFormatError(f'{where}: not a wdsvlm index (no "format": "{FORMAT}")')
-    if index.get("version") != VERSION:
+    version = index.get("version")
+    if version not in READABLE:
         raise ShardFormatError(
-            f"{where}: index version {index.get('version')!r}; this wdsvlm reads version "
-            f"{VERSION} (upgrade wdsvlm, or rewrite the dataset with this version)"
+            f"{where}: index version {version!r}; this wdsvlm reads versions "
+            f"{', '.join(map(str, READABLE))} (upgrade wdsvlm, or rewrite the dataset)"
         )
     shards = index.get("shards")
     if not isinstance(shards, list):
         raise ShardFormatError(f"{where}: 'shards' must be a list")
+    needed = {"name", "samples", "bytes", "sha256", "entries" if version == 1 else "sidecar"}
     for shard in shards:
-        missing = {"name", "samples", "bytes", "sha256", "entries"} - set(shard)
+        missing = needed - set(shard)
         if missing:
             raise ShardFormatError(
                 f"{where}: shard {shard.get('name', '?')} lacks {', '.join(sorted(missing))}"
             )
-        if len(shard["entries"]) != shard["samples"]:
+        if version == 1 and len(shard["entries"]) != shard["samples"]:
             raise ShardFormatError(
                 f"{where}: shard {shard['name']} lists {len(shard['entries'])} entries "
                 f"but says it holds {shard['samples']} samples"
             )
+
+
+def shard_summary(entries: Sequence[Mapping[str, Any]]) -> dict:
+    """What the root index of version 2 says of a shard's samples besides their number:
+    sums for sizing (images, turns, characters, text-only samples) and the first and last
+    key (so that a key is looked up in the sidecars of the shards that can hold it)."""
+    return {
+        "sums": {
+            "images": sum(len(e.get("images", [])) for e in entries),
+            "text_only": sum(not e.get("images") for e in entries),
+            "turns": sum(len(e.get("chars", [])) for e in entries),
+            "chars": sum(sum(e.get("chars", [])) for e in entries),
+        },
+        "keys": [entries[0]["key"], entries[-1]["key"]] if len(entries) else [],
+    }
+
+
+def sidecar_entry(name: str, data: bytes) -> dict:
+    return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def verify_dataset(source: str, storage_options: Mapping[str, Any] | None = None) -> dict:
@@ -86,23 +115,72 @@ def verify_dataset(source: str, storage_options: Mapping[str, Any] | None = None
     """
     index = load_index(source, storage_options)
     for shard in index["shards"]:
-        url = join(source, shard["name"])
-        fs, path = filesystem(url, storage_options)
-        digest = hashlib.sha256()
-        size = 0
-        try:
-            with fs.open(path, "rb") as f:
-                while block := f.read(1 << 20):
-                    digest.update(block)
-                    size += len(block)
-        except FileNotFoundError:
-            raise ShardFormatError(f"{url}: shard listed in the index is missing") from None
-        if size != shard["bytes"] or digest.hexdigest() != shard["sha256"]:
-            raise ShardFormatError(
-                f"{url}: {size} bytes, sha256 {digest.hexdigest()[:12]}...; the index says "
-                f"{shard['bytes']} bytes, sha256 {shard['sha256'][:12]}... (changed or truncated)"
-            )
+        _check_file(join(source, shard["name"]), shard, storage_options, "shard")
+        if index["version"] >= 2:
+            _verify_sidecar(source, shard, storage_options)
     return index
+
+
+def _check_file(url: str, expected: Mapping[str, Any], storage_options, what: str) -> None:
+    """The file at ``url`` has the ``bytes`` and ``sha256`` the index says, or that is a
+    ``ShardFormatError`` naming it."""
+    size, digest = _digest(url, storage_options, what)
+    if size != expected["bytes"] or digest != expected["sha256"]:
+        raise ShardFormatError(
+            f"{url}: {size} bytes, sha256 {digest[:12]}...; the index says "
+            f"{expected['bytes']} bytes, sha256 {expected['sha256'][:12]}... "
+            "(changed or truncated)"
+        )
+
+
+def _digest(url: str, storage_options, what: str) -> tuple[int, str]:
+    fs, path = filesystem(url, storage_options)
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with fs.open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+                size += len(block)
+    except FileNotFoundError:
+        raise ShardFormatError(f"{url}: {what} listed in the index is missing") from None
+    return size, digest.hexdigest()
+
+
+def _verify_sidecar(source: str, shard: dict, storage_options) -> None:
+    """A version-2 shard's sidecar: its bytes and sha256 as the root index says, its
+    samples as many as the shard's, each inside the shard."""
+    url = join(source, shard["sidecar"]["name"])
+    _check_file(url, shard["sidecar"], storage_options, "sidecar")
+    entries = shard["entries"].loaded()
+    ends = entries.offset + entries.size
+    if len(entries) and (entries.offset.min() < 0 or ends.max() > shard["bytes"]):
+        raise ShardFormatError(f"{url}: a sample lies outside its shard's {shard['bytes']} bytes")
+
+
+def upgrade_dataset(
+    source: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[int, dict]:
+    """Turn the version-1 index of ``source`` into version 2 without touching its tars: each
+    shard's sidecar is written beside it, then ``index.json`` is replaced (last, so a reader
+    sees the old index or the new one). Returns the version found and the index now."""
+    from .sidecar import pack_entries, sidecar_name
+    from .storage import publish_bytes
+
+    index = load_index(source, storage_options)
+    before = index["version"]
+    if before == VERSION:
+        return before, index
+    shards = []
+    for shard in index["shards"]:
+        entries = shard.pop("entries")
+        data = pack_entries(entries)
+        name = sidecar_name(shard["name"])
+        publish_bytes(data, join(source, name), storage_options)
+        shards.append({**shard, "sidecar": sidecar_entry(name, data), **shard_summary(entries)})
+    upgraded = {**index, "version": VERSION, "shards": shards}
+    publish_bytes(dumps_index(upgraded), join(source, INDEX_NAME), storage_options)
+    return before, load_index(source, storage_options)
 
 
 def scan_index(urls: list[str], storage_options: Mapping[str, Any] | None = None) -> dict:
@@ -165,7 +243,7 @@ def scan_index(urls: list[str], storage_options: Mapping[str, Any] | None = None
     samples = sum(s["samples"] for s in shards)
     return {
         "format": FORMAT,
-        "version": VERSION,
+        "version": 1,  # in memory: the entries in the index
         "shards": shards,
         "totals": {"shards": len(shards), "samples": samples},
     }

@@ -42,12 +42,14 @@ def estimate_batches(
     characters per token measured on up to 32 samples spread over the sources (the same ones
     on every rank), each sample counted as often as a pass holds it, samples that cannot fit
     are left out, packs are taken as 97% full of tokens and of tiles, and each worker gets one
-    batch more for the packs left at the end of a pass. Every rank computes the same number."""
-    every = [
-        (source.per_pass / source.size, source, s, entry)
+    batch more for the packs left at the end of a pass. A source of more than
+    ``MEASURED_SHARDS`` shards is measured on that many, spread evenly, and scaled to its
+    size (its other sidecars are not read). Every rank computes the same number."""
+    every = [  # (times a pass holds it, source, shard, entry) of the measured shards
+        (source.per_pass / source.size * scale, source, s, entry)
         for source in plan.sources
-        for s, shard in enumerate(source.index["shards"])
-        for entry in shard["entries"]
+        for s, scale in measured_shards(source)
+        for entry in source.index["shards"][s]["entries"]
     ]
     chosen = every[:: max(1, len(every) // 32)]
     per_text_token = characters_per_token(chosen, tokenize, settings)
@@ -75,6 +77,23 @@ def estimate_batches(
     batches = math.ceil(packs / worker_config.world_size / settings.batch_size)
     # and one batch per worker for the few packs each leaves at the end of a pass
     return batches + worker_config.workers_per_rank
+
+
+MEASURED_SHARDS = 64
+
+
+def measured_shards(source: Any) -> list[tuple[int, float]]:
+    """``(shard number, scale)`` of the shards that stand for the source in the estimate:
+    all of them (scale 1), or ``MEASURED_SHARDS`` spread evenly, scaled up to the source's
+    sample count."""
+    shards = source.index["shards"]
+    if len(shards) <= MEASURED_SHARDS:
+        return [(s, 1.0) for s in range(len(shards))]
+    step = len(shards) / MEASURED_SHARDS
+    picked = sorted({int(i * step) for i in range(MEASURED_SHARDS)})
+    held = sum(shards[s]["samples"] for s in picked)
+    scale = source.size / held if held else 0.0
+    return [(s, scale) for s in picked]
 
 
 def characters_per_token(chosen: list[tuple], tokenize: Any, settings: Any) -> float:

@@ -32,9 +32,12 @@ from .index import (
     dumps_index,
     sample_key,
     shard_name,
+    shard_summary,
+    sidecar_entry,
 )
 from .inputs import FORMATS, iter_records
 from .progress import progress
+from .sidecar import pack_entries, sidecar_name
 from .storage import (
     exists,
     join,
@@ -187,7 +190,8 @@ def write_dataset(
         remove(skipped_url, storage_options)
     index = build_index(shards, samples, opts.prefix, skipped)
     publish_bytes(dumps_index(index), index_url, storage_options)
-    _remove_stale_shards(output, opts.prefix, {s["name"] for s in shards}, storage_options)
+    keep = {s["name"] for s in shards} | {s["sidecar"]["name"] for s in shards}
+    _remove_stale_shards(output, opts.prefix, keep, storage_options)
     totals = index["totals"]
     return WriteSummary(
         output=output,
@@ -273,7 +277,8 @@ def write_shard(
     prefix: str,
     storage_options: Mapping[str, Any] | None = None,
 ) -> dict:
-    """Write one planned shard and return its index entry."""
+    """Write one planned shard and its sidecar (the samples' entries); return its entry in
+    the root index."""
     number, first, samples = plan
     name = shard_name(prefix, number)
     url = join(output, name)
@@ -290,12 +295,15 @@ def write_shard(
         os.unlink(tmp)
         raise
     publish_file(tmp, url, storage_options)
+    sidecar = pack_entries(entries)
+    publish_bytes(sidecar, join(output, sidecar_name(name)), storage_options)
     return {
         "name": name,
         "samples": len(samples),
         "bytes": tar.offset,
         "sha256": tar.digest.hexdigest(),
-        "entries": entries,
+        "sidecar": sidecar_entry(sidecar_name(name), sidecar),
+        **shard_summary(entries),
     }
 
 
@@ -352,8 +360,9 @@ def _split_bad(checked: Iterable[dict | InputError]) -> tuple[list[dict], list[I
 
 
 def _remove_stale_shards(output: str, prefix: str, keep: set[str], storage_options) -> None:
-    """Shards of this prefix that the new index does not list are left-overs: remove them."""
-    pattern = re.compile(re.escape(prefix) + r"-\d{6,}\.tar")
+    """Shards (and sidecars) of this prefix that the new index does not list are left-overs:
+    remove them."""
+    pattern = re.compile(re.escape(prefix) + r"-\d{6,}\.(tar|idx)")
     for name in list_names(output, storage_options):
         if pattern.fullmatch(name) and name not in keep:
             log.info("removing %s: left over from an earlier write, not in the new index", name)
