@@ -3,7 +3,7 @@
     python scripts/bench_scale.py [--samples 1000000 10000000 100000000] [--out /tmp/wdsvlm-scale]
 
 For each size, a synthetic version-2 dataset of 1000-sample shards (60 MB each) is made
-without any image data or tar: the root index.json, and one sidecar hard-linked under every
+without any image data or tar: the root index.json, and one sidecar symlinked under every
 shard's sidecar name (the shards are alike; only the index matters here). Then, each in a fresh
 process:
 
@@ -28,6 +28,7 @@ import json
 import os
 import pickle
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -48,7 +49,8 @@ def make(folder: str, samples: int) -> str:
     out = os.path.join(folder, f"n{samples}")
     if os.path.exists(os.path.join(out, "index.json")):
         return out
-    os.makedirs(out, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # a run cut short
+    os.makedirs(out)
     entries = [
         {
             "key": f"{i:09d}",
@@ -67,7 +69,7 @@ def make(folder: str, samples: int) -> str:
     shards = []
     for s in range(samples // PER_SHARD):
         name = f"data-{s:06d}.tar"
-        os.link(first, os.path.join(out, sidecar_name(name)))
+        os.symlink("sidecar.idx", os.path.join(out, sidecar_name(name)))
         shards.append(
             {
                 "name": name,

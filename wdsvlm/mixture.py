@@ -25,6 +25,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from .errors import ShardFormatError
@@ -201,8 +202,9 @@ class DataSource:
     extra: int = 0
     storage_options: Mapping[str, Any] | None = None
 
-    @property
+    @cached_property
     def size(self) -> int:
+        """Samples in the source (its index's shards together)."""
         return sum(s["samples"] for s in self.index["shards"])
 
     @property
