@@ -104,6 +104,23 @@ def uneven(tmp_path_factory):
     return write_uneven(os.path.join(tmp, "ds"), SHARD_SIZES, tmp)
 
 
+def as_version_1(folder: str, out: str) -> str:
+    """A copy of the dataset at ``folder`` with a version-1 index (every sample's entry in
+    index.json, no sidecars): the tars are the same."""
+    import shutil
+
+    index = wdsvlm.load_index(folder)
+    os.makedirs(out)
+    shards = []
+    for shard in index["shards"]:
+        shutil.copy(os.path.join(folder, shard["name"]), os.path.join(out, shard["name"]))
+        kept = {k: shard[k] for k in ("name", "samples", "bytes", "sha256")}
+        shards.append({**kept, "entries": list(shard["entries"])})
+    with open(os.path.join(out, "index.json"), "w") as f:
+        json.dump({**index, "version": 1, "shards": shards}, f)
+    return out
+
+
 def all_keys(folder) -> list[str]:
     index = wdsvlm.load_index(folder)
     return sorted(f"{s['name']}/{e['key']}" for s in index["shards"] for e in s["entries"])
@@ -202,19 +219,22 @@ def _resume(rank, job):
 
 
 @pytest.mark.parametrize(
-    "workers,persistent", [(2, False), (3, True)], ids=["2-workers", "3-persistent-workers"]
+    "workers,persistent,version",
+    [(2, False, 2), (3, True, 2), (2, False, 1)],
+    ids=["2-workers", "3-persistent-workers", "2-workers-index-version-1"],
 )
 def test_two_ranks_equal_steps_every_sample_once_per_pass_and_exact_resume(
-    uneven, tmp_path, workers, persistent
+    uneven, tmp_path, workers, persistent, version
 ):
+    data = uneven if version == 2 else as_version_1(uneven, str(tmp_path / "v1"))
     epochs = 3
     options = {"num_workers": workers, "persistent_workers": persistent}
-    job = {"run": _train, "data": uneven, "loader": options, "epochs": epochs}
+    job = {"run": _train, "data": data, "loader": options, "epochs": epochs}
     ranks = ddp({**job, "out": str(tmp_path)})
     length = ranks[0]["len"]
     for r in ranks:  # the same number of batches on every rank, and len() says it
         assert r["len"] == length and r["steps"] == [length] * epochs
-    every = all_keys(uneven)
+    every = all_keys(data)
     seen = [s for r in ranks for s in r["seen"]]
     for p in (0, 1):  # passes 0 and 1 are over after 3 epochs: each key exactly once in each
         assert sorted(k for q, k in seen if q == p) == every, f"pass {p}"
@@ -229,7 +249,7 @@ def test_two_ranks_equal_steps_every_sample_once_per_pass_and_exact_resume(
     resumed = ddp(
         {
             "run": _resume,
-            "data": uneven,
+            "data": data,
             "loader": options,
             "epochs": epochs,
             "states": states,

@@ -334,3 +334,28 @@ def test_the_writer_side_imports_no_torch():
     code = "import sys, wdsvlm, wdsvlm.write, wdsvlm.cli; assert 'torch' not in sys.modules"
     run = run_process([sys.executable, "-c", code], timeout=60)
     assert run.returncode == 0, run.stderr
+
+
+def test_shards_are_written_as_the_records_come_not_after_all_are_read(
+    llava_input, tmp_path, monkeypatch
+):
+    path, root, _ = llava_input
+    checked, seen_at_write = [], []
+    real_check, real_write = write_module.check_record, write_module.write_shard
+
+    def counting_check(record, **kw):
+        checked.append(1)
+        return real_check(record, **kw)
+
+    def noting_write(plan, **kw):
+        seen_at_write.append(len(checked))
+        return real_write(plan, **kw)
+
+    monkeypatch.setattr(write_module, "check_record", counting_check)
+    monkeypatch.setattr(write_module, "write_shard", noting_write)
+    out = str(tmp_path / "ds")
+    write_dataset(path, out, image_root=root, samples_per_shard=2, progress=False)
+    # shard k is written once record 2k + 3 is checked (the one that closes it), never later:
+    # memory holds the open shard, not the dataset
+    assert seen_at_write == [min(2 * k + 3, len(checked)) for k in range(len(seen_at_write))]
+    assert load_index(out)["totals"]["samples"] == len(checked) == 12

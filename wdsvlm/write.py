@@ -147,34 +147,27 @@ def write_dataset(
             "overwrite=True to replace it"
         )
 
-    records = (
-        r for path in inputs for r in iter_records(path, format=opts.format, image_root=image_root)
-    )
+    def records():
+        for path in inputs:
+            yield from iter_records(path, format=opts.format, image_root=image_root)
+
+    check = partial(check_record, storage_options=storage_options)
     with _pool(opts.workers) as pool:
-        checked = _map(pool, partial(check_record, storage_options=storage_options), records, 16)
-        samples, bad = _split_bad(
-            progress(checked, enabled=opts.progress, desc="checking", unit=" records")
+        if replacing:
+            # a check alone first: bad new input must leave the old dataset whole, and the
+            # new shards take the old ones' names
+            good, bad = _check_only(_map(pool, check, records(), 16), opts.progress)
+            _refuse_bad(bad, good, opts.skip_bad, inputs)
+            remove(index_url, storage_options)  # no reader may pair old and new from here
+        written = _write_shards(
+            pool, _map(pool, check, records(), 16), output, opts, storage_options
         )
-        if (bad and not opts.skip_bad) or (bad and not samples):
-            raise BadInputError(bad, len(samples) + len(bad))
-        if not samples:
-            raise ValueError(f"no records in {', '.join(inputs)}: nothing to write")
-        if replacing:  # only now that the new data is good; no reader may pair old and new
-            remove(index_url, storage_options)
-        plans = plan_shards(samples, opts.samples_per_shard, opts.max_shard_bytes)
-        write = partial(
-            write_shard, output=output, prefix=opts.prefix, storage_options=storage_options
-        )
-        shards, written, writing_since = [], 0, time.perf_counter()
-        with progress(
-            total=len(samples), enabled=opts.progress, desc="writing", unit=" samples"
-        ) as bar:
-            for shard in _map(pool, write, plans, 1):
-                shards.append(shard)
-                written += shard["bytes"]
-                bar.update(shard["samples"])
-                rate = written / 1e6 / max(time.perf_counter() - writing_since, 1e-6)
-                bar.set_postfix_str(f"{rate:.1f} MB/s")
+        shards, totals, bad = written
+        if (bad and not opts.skip_bad) or not totals.samples:
+            for shard in shards:  # the input turned out bad: nothing of it stays
+                remove(join(output, shard["name"]), storage_options)
+                remove(join(output, shard["sidecar"]["name"]), storage_options)
+            _refuse_bad(bad, totals.samples, opts.skip_bad, inputs)
 
     skipped = Counter(e.reason for e in bad)
     skipped_url = join(output, SKIPPED_NAME)
@@ -188,7 +181,7 @@ def write_dataset(
         )
     else:
         remove(skipped_url, storage_options)
-    index = build_index(shards, samples, opts.prefix, skipped)
+    index = build_index(shards, totals, opts.prefix, skipped)
     publish_bytes(dumps_index(index), index_url, storage_options)
     keep = {s["name"] for s in shards} | {s["sidecar"]["name"] for s in shards}
     _remove_stale_shards(output, opts.prefix, keep, storage_options)
@@ -250,25 +243,96 @@ def sample_tar_bytes(sample: dict) -> int:
 
 
 def plan_shards(
-    samples: list[dict], samples_per_shard: int, max_shard_bytes: int
-) -> list[tuple[int, int, list[dict]]]:
-    """Cut samples into shards, in order: ``[(shard number, first sample number, samples)]``."""
-    plans: list[tuple[int, int, list[dict]]] = []
+    samples: Iterable[dict], samples_per_shard: int, max_shard_bytes: int
+) -> Iterator[tuple[int, int, list[dict]]]:
+    """Cut samples into shards, in order, as they come: ``(shard number, first sample
+    number, samples)`` for each shard once it is full (only the open shard is held)."""
     current: list[dict] = []
     current_bytes = 0
-    first = 0
+    first = shards = 0
     for number, sample in enumerate(samples):
         size = sample_tar_bytes(sample)
         if current and (
             len(current) >= samples_per_shard or tar_bytes(current_bytes + size) > max_shard_bytes
         ):
-            plans.append((len(plans), first, current))
+            yield shards, first, current
+            shards += 1
             current, current_bytes, first = [], 0, number
         current.append(sample)
         current_bytes += size
     if current:
-        plans.append((len(plans), first, current))
-    return plans
+        yield shards, first, current
+
+
+@dataclass
+class Totals:
+    """The dataset's totals, added up sample by sample as they are written."""
+
+    samples: int = 0
+    images: int = 0
+    text_only: int = 0
+    multi_image: int = 0
+    turns: int = 0
+    chars: int = 0
+    sources: Counter = field(default_factory=Counter)
+
+    def add(self, sample: dict) -> None:
+        n = len(sample["images"])
+        self.samples += 1
+        self.images += n
+        self.text_only += n == 0
+        self.multi_image += n > 1
+        self.turns += len(sample["chars"])
+        self.chars += sum(sample["chars"])
+        self.sources[sample["source"]] += 1
+
+
+def _write_shards(pool, checked: Iterator, output: str, opts: WriteOptions, storage_options):
+    """Write the good samples of ``checked`` into shards as they fill, at most two per
+    worker in flight, so memory holds the open shard and those in flight, never the dataset.
+    Returns the shards' root entries, the totals and the bad records. Once a bad record is
+    seen without ``skip_bad`` nothing more is written (the rest is only checked, so that
+    every bad record is reported)."""
+    totals, bad, shards = Totals(), [], []
+    write = partial(write_shard, output=output, prefix=opts.prefix, storage_options=storage_options)
+
+    def good():
+        for item in progress(checked, enabled=opts.progress, desc="writing", unit=" records"):
+            if isinstance(item, InputError):
+                bad.append(item)
+                continue
+            if bad and not opts.skip_bad:
+                continue  # refused at the end; checked only
+            totals.add(item)
+            yield item
+
+    in_flight: list = []
+    for plan in plan_shards(good(), opts.samples_per_shard, opts.max_shard_bytes):
+        if pool is None:
+            shards.append(write(plan))
+            continue
+        in_flight.append(pool.apply_async(write, (plan,)))
+        while len(in_flight) > 2 * opts.workers:
+            shards.append(in_flight.pop(0).get())
+    shards += [job.get() for job in in_flight]
+    return shards, totals, bad
+
+
+def _check_only(checked: Iterator, show: bool) -> tuple[int, list[InputError]]:
+    good, bad = 0, []
+    for item in progress(checked, enabled=show, desc="checking", unit=" records"):
+        if isinstance(item, InputError):
+            bad.append(item)
+        else:
+            good += 1
+    return good, bad
+
+
+def _refuse_bad(bad: list[InputError], good: int, skip_bad: bool, inputs: list[str]) -> None:
+    if (bad and not skip_bad) or (bad and not good):
+        raise BadInputError(bad, good + len(bad))
+    if not good:
+        raise ValueError(f"no records in {', '.join(inputs)}: nothing to write")
 
 
 def write_shard(
@@ -328,10 +392,8 @@ def _write_sample(tar: HashingTarWriter, key: str, sample: dict, storage_options
 
 
 def build_index(
-    shards: list[dict], samples: list[dict], prefix: str, skipped: Mapping[str, int]
+    shards: list[dict], totals: Totals, prefix: str, skipped: Mapping[str, int]
 ) -> dict:
-    images = [len(s["images"]) for s in samples]
-    sources = Counter(s["source"] for s in samples)
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -339,24 +401,17 @@ def build_index(
         "shards": shards,
         "totals": {
             "shards": len(shards),
-            "samples": len(samples),
+            "samples": totals.samples,
             "bytes": sum(s["bytes"] for s in shards),
-            "images": sum(images),
-            "text_only": images.count(0),
-            "multi_image": sum(n > 1 for n in images),
-            "turns": sum(len(s["chars"]) for s in samples),
-            "chars": sum(sum(s["chars"]) for s in samples),
-            "sources": dict(sorted(sources.items())),
+            "images": totals.images,
+            "text_only": totals.text_only,
+            "multi_image": totals.multi_image,
+            "turns": totals.turns,
+            "chars": totals.chars,
+            "sources": dict(sorted(totals.sources.items())),
             "skipped": dict(sorted(skipped.items())),
         },
     }
-
-
-def _split_bad(checked: Iterable[dict | InputError]) -> tuple[list[dict], list[InputError]]:
-    samples, bad = [], []
-    for item in checked:
-        (bad if isinstance(item, InputError) else samples).append(item)
-    return samples, bad
 
 
 def _remove_stale_shards(output: str, prefix: str, keep: set[str], storage_options) -> None:
