@@ -80,7 +80,7 @@ def test_a_key_is_found_reading_one_sidecar(upgraded):
     sidecar._cache.clear()
     ((url, name, entry),) = pick_entries(index, urls, 5, [key])
     assert (name, entry["key"]) == (last["name"], key)
-    assert list(sidecar._cache) == [os.path.join(folder, last["sidecar"]["name"])]
+    assert [url for url, _ in sidecar._cache] == [os.path.join(folder, last["sidecar"]["name"])]
     with pytest.raises(ValueError, match="no sample with key nope"):
         pick_entries(index, urls, 5, ["nope"])
 
@@ -111,3 +111,31 @@ def test_sidecar_round_trip_keeps_every_field():
     assert list(got) == entries and got[-1] == entries[-1]
     assert got.offset.dtype == np.int64 and len(got) == 3
     assert list(sidecar.Entries(sidecar.pack_entries([]), "empty")) == []
+
+
+def test_a_missing_sidecar_is_skipped_with_its_samples_or_named(upgraded):
+    folder, _ = upgraded
+    index = wdsvlm.load_index(folder)
+    gone = index["shards"][1]
+    os.remove(os.path.join(folder, gone["sidecar"]["name"]))
+    sidecar._cache.clear()
+    loader = wdsvlm.Loader(folder, TOKENIZER, on_shard_error="skip", batches_per_epoch=40, **SMALL)
+    keys = {k for batch in loader for row in batch["sample_keys"] for k in row}
+    skipped = loader.stats()["skipped"].get("unreadable_sidecar", 0)
+    assert skipped and skipped % gone["samples"] == 0  # the shard's samples, in every pass read
+    assert not any(k.startswith(gone["name"]) for k in keys)
+    assert len({k.split("/")[0] for k in keys}) == len(index["shards"]) - 1  # the others read
+    with pytest.raises(ShardFormatError, match=r"-000001.idx: the shard's sidecar is missing"):
+        next(iter(wdsvlm.Loader(folder, TOKENIZER, batches_per_epoch=4, **SMALL)))
+
+
+def test_a_dataset_written_again_is_read_anew_in_the_same_process(tmp_path, llava_input):
+    path, root, _ = llava_input
+    out = str(tmp_path / "ds")
+    wdsvlm.write_dataset(path, out, image_root=root, samples_per_shard=50, progress=False)
+    assert len(list(wdsvlm.load_index(out)["shards"][0]["entries"])) == 12
+    half = str(tmp_path / "half.jsonl")
+    with open(half, "w") as f:
+        f.writelines(open(path).readlines()[:3])
+    wdsvlm.write_dataset(half, out, image_root=root, overwrite=True, progress=False)
+    assert len(list(wdsvlm.load_index(out)["shards"][0]["entries"])) == 3  # not the cached 12

@@ -57,7 +57,9 @@ def load_index(source: str, storage_options: Mapping[str, Any] | None = None, po
 
         for shard in index["shards"]:
             sidecar = join(source, shard["sidecar"]["name"])
-            shard["entries"] = LazyEntries(sidecar, shard["samples"], storage_options, policy)
+            shard["entries"] = LazyEntries(
+                sidecar, shard["samples"], storage_options, policy, shard["sidecar"].get("sha256")
+            )
     return index
 
 

@@ -25,12 +25,12 @@ PAD, TEXT, IMAGE, SUPERVISED = 0, 1, 2, 3
 PACK_REASONS = ("too_many_tokens", "too_many_tiles")
 
 
-def _spans(picked: Sequence[tuple[str, str, dict]]) -> Iterator[dict]:
-    """One read span per ``(shard URL, shard name, index entry)``."""
+def _spans(picked: Sequence[tuple]) -> Iterator[dict]:
+    """One read span per ``(shard URL, shard name, index entry[, storage options])``."""
     from .plan import span
 
-    for url, shard, entry in picked:
-        yield span(url, shard, [entry])
+    for url, shard, entry, *options in picked:
+        yield span(url, shard, [entry], storage_options=options[0] if options else None)
 
 
 def pick_entries(
@@ -146,7 +146,7 @@ def inspect_samples(
             if keys and not wanted:
                 continue
             picked += [
-                (url, f"{s.name}/{shard}", entry)
+                (url, f"{s.name}/{shard}", entry, s.storage_options)
                 for url, shard, entry in pick_entries(s.index, s.urls, n, wanted)
             ]
     stats = SkipStats(max_consecutive=sys.maxsize)  # bad samples are shown, however many

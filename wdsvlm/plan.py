@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset
 
+from .errors import ShardFormatError, StorageError
 from .mixture import DataSource, resolve_sources
 
 log = logging.getLogger("wdsvlm.plan")
@@ -364,7 +365,10 @@ class Plan(IterableDataset):
         """Global worker ``worker``'s spans of pass ``pass_``, from place ``start`` of the
         pass's order on (default: the start of its block)."""
         first, stop = self.share(worker)
-        yield from self.read_spans(pass_, [[max(first, start or 0), stop]], worker)
+        spans = self.read_spans(pass_, [[max(first, start or 0), stop]], worker)
+        for span in spans:
+            span["whole_share"] = True  # a pass's whole share: all of it bad is an error
+            yield span
 
     def read_spans(self, pass_: int, ranges: Sequence[Sequence[int]], worker: int):
         """The spans that read places ``[a, b)`` of pass ``pass_``'s order, for each range in
@@ -391,9 +395,21 @@ class Plan(IterableDataset):
         (``_joins``)."""
         source = self.sources[int(order.visit_source[v])]
         number = int(order.visit_shard[v])
-        entries = source.index["shards"][number]["entries"]
+        shard = source.index["shards"][number]
         numbers, start = order.entries_of(v), int(order.starts[v])
-        found = [(entries[int(numbers[p - start])], p) for p in places]
+        try:
+            found = [(shard["entries"][int(numbers[p - start])], p) for p in places]
+        except (ShardFormatError, StorageError) as e:  # its sidecar cannot be read
+            failed = self._span(
+                source,
+                number,
+                [({"key": "?", "offset": 0, "size": 0}, p) for p in places],
+                pass_,
+                worker,
+            )
+            failed["failed"] = e
+            yield failed
+            return
         yield from self._spans_of(source, number, found, pass_, worker)
 
     def _spans_of(self, source, number: int, found: list[tuple], pass_: int, worker: int):

@@ -58,6 +58,8 @@ class ReadSamples:
         self.cache = cache
 
     def _read(self, span: dict, cancel: threading.Event | None = None) -> bytes | StorageError:
+        if "failed" in span:  # nothing to read: the plan could not list its samples
+            return b""
         options = span.get("storage_options")  # a mixture's source may have its own
         options = self.storage_options if options is None else options
         try:
@@ -125,15 +127,27 @@ class ReadSamples:
 
     def __call__(self, spans: Iterator[dict]) -> Iterator[dict]:
         failed: set[tuple] = set()  # (url, pass): a shard given up on, for this pass
-        pass_, yielded = None, 0
+        pass_, yielded, whole = None, 0, True
         for span, data in self._fetched(spans):
             if span.get("pass") != pass_:
-                if pass_ is not None and not yielded:  # skip mode must not spin forever
+                # skip mode must not spin forever: a worker's whole share of a pass with no
+                # sample that could be read is an error (a part of a pass handed over by an
+                # elastic resume may lie in one bad shard)
+                if pass_ is not None and not yielded and whole:
                     raise StorageError(
                         f"a whole pass over global worker {span.get('worker')}'s share gave no "
                         f"sample that could be read; the last shard: {span['url']}"
                     )
-                pass_, yielded = span.get("pass"), 0
+                pass_, yielded, whole = span.get("pass"), 0, True
+            whole = whole and span.get("whole_share", False)
+            if "failed" in span:  # its sidecar could not be read: its samples are unknown
+                if self.on_shard_error == "raise":
+                    raise span["failed"]
+                for place in span["positions"]:
+                    sample = {"__key__": f"place {place}", "__shard__": span["shard"]}
+                    reason = "unreadable_sidecar"
+                    self.stats.skip("read", reason, sample, str(span["failed"]), streak=False)
+                continue
             if (span["url"], pass_) in failed:
                 data = StorageError(f"{span['url']}: skipped after an earlier failure")
             if isinstance(data, StorageError):

@@ -114,7 +114,7 @@ class Entries(Sequence):
         return (self[i] for i in range(len(self)))
 
 
-_cache: OrderedDict[str, Entries] = OrderedDict()
+_cache: OrderedDict[tuple, Entries] = OrderedDict()  # (url, sha256) -> entries
 _cache_lock = threading.Lock()
 
 
@@ -129,9 +129,11 @@ class LazyEntries(Sequence):
         samples: int,
         storage_options: Mapping[str, Any] | None = None,
         policy: Any = None,
+        sha256: str | None = None,
     ):
         self.url = url
         self.samples = samples
+        self.sha256 = sha256  # with the URL, the cache key: a rewritten dataset is read anew
         self.storage_options = dict(storage_options or {})
         self.policy = policy
 
@@ -139,10 +141,11 @@ class LazyEntries(Sequence):
         return self.samples
 
     def loaded(self) -> Entries:
+        key = (self.url, self.sha256)
         with _cache_lock:
-            entries = _cache.get(self.url)
+            entries = _cache.get(key)
             if entries is not None:
-                _cache.move_to_end(self.url)
+                _cache.move_to_end(key)
                 return entries
         from .storage import read_bytes
 
@@ -159,7 +162,7 @@ class LazyEntries(Sequence):
                 f"{self.url}: {len(entries)} samples, but the index says {self.samples}"
             )
         with _cache_lock:
-            _cache[self.url] = entries
+            _cache[key] = entries
             while len(_cache) > _CACHED:
                 _cache.popitem(last=False)
         return entries

@@ -9,14 +9,18 @@ characters per token measured on a few samples) and agreed once through the proc
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .errors import ShardFormatError, StorageError
 from .images import UnusableImage
 from .plan import Plan, WorkerConfig, span
 from .read import ReadSamples
 from .stats import SkipStats
+
+log = logging.getLogger("wdsvlm.sizing")
 
 
 def agreed(value: int) -> int:
@@ -48,8 +52,8 @@ def estimate_batches(
     every = [  # (times a pass holds it, source, shard, entry) of the measured shards
         (source.per_pass / source.size * scale, source, s, entry)
         for source in plan.sources
-        for s, scale in measured_shards(source)
-        for entry in source.index["shards"][s]["entries"]
+        for s, scale, entries in measured_shards(source)
+        for entry in entries
     ]
     chosen = every[:: max(1, len(every) // 32)]
     per_text_token = characters_per_token(chosen, tokenize, settings)
@@ -82,18 +86,26 @@ def estimate_batches(
 MEASURED_SHARDS = 64
 
 
-def measured_shards(source: Any) -> list[tuple[int, float]]:
-    """``(shard number, scale)`` of the shards that stand for the source in the estimate:
-    all of them (scale 1), or ``MEASURED_SHARDS`` spread evenly, scaled up to the source's
-    sample count."""
+def measured_shards(source: Any) -> list[tuple[int, float, list]]:
+    """``(shard number, scale, its entries)`` of the shards that stand for the source in the
+    estimate: all of them (scale 1), or ``MEASURED_SHARDS`` spread evenly, scaled up to the
+    source's sample count. A shard whose sidecar cannot be read is left out (reading it will
+    count its samples as skipped, or fail, as ``on_shard_error`` says)."""
     shards = source.index["shards"]
     if len(shards) <= MEASURED_SHARDS:
-        return [(s, 1.0) for s in range(len(shards))]
-    step = len(shards) / MEASURED_SHARDS
-    picked = sorted({int(i * step) for i in range(MEASURED_SHARDS)})
-    held = sum(shards[s]["samples"] for s in picked)
+        picked = list(range(len(shards)))
+    else:
+        step = len(shards) / MEASURED_SHARDS
+        picked = sorted({int(i * step) for i in range(MEASURED_SHARDS)})
+    readable = []
+    for s in picked:
+        try:
+            readable.append((s, list(shards[s]["entries"])))
+        except (ShardFormatError, StorageError) as e:
+            log.warning("len(loader) is estimated without shard %s: %s", shards[s]["name"], e)
+    held = sum(len(entries) for _, entries in readable)
     scale = source.size / held if held else 0.0
-    return [(s, scale) for s in picked]
+    return [(s, scale, entries) for s, entries in readable]
 
 
 def characters_per_token(chosen: list[tuple], tokenize: Any, settings: Any) -> float:

@@ -9,6 +9,7 @@ shard appears only when complete; ``index.json`` is written last.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import multiprocessing
@@ -159,11 +160,16 @@ def write_dataset(
             good, bad = _check_only(_map(pool, check, records(), 16), opts.progress)
             _refuse_bad(bad, good, opts.skip_bad, inputs)
             remove(index_url, storage_options)  # no reader may pair old and new from here
-        written = _write_shards(
-            pool, _map(pool, check, records(), 16), output, opts, storage_options
-        )
+        checked = _checked_in_batches(pool, check, records(), opts.workers)
+        written = _write_shards(pool, checked, output, opts, storage_options)
         shards, totals, bad = written
         if (bad and not opts.skip_bad) or not totals.samples:
+            if replacing:  # bad only now (an image gone or unreadable since the check)
+                log.error(
+                    "%s: records found bad while writing, after they were checked; the "
+                    "dataset being replaced has no index any more: write it again",
+                    output,
+                )
             for shard in shards:  # the input turned out bad: nothing of it stays
                 remove(join(output, shard["name"]), storage_options)
                 remove(join(output, shard["sidecar"]["name"]), storage_options)
@@ -312,10 +318,22 @@ def _write_shards(pool, checked: Iterator, output: str, opts: WriteOptions, stor
             shards.append(write(plan))
             continue
         in_flight.append(pool.apply_async(write, (plan,)))
-        while len(in_flight) > 2 * opts.workers:
+        while len(in_flight) >= 2 * opts.workers:
             shards.append(in_flight.pop(0).get())
     shards += [job.get() for job in in_flight]
     return shards, totals, bad
+
+
+def _checked_in_batches(pool, check, records: Iterator, workers: int) -> Iterator:
+    """``check`` over ``records``, in order, a batch at a time: the pool takes its tasks in
+    order, so shard writes handed to it between two batches run before the next batch's
+    checks (one ``imap`` over every record would queue them all first, and the writes would
+    wait for the last check, with every result held)."""
+    if pool is None:
+        yield from map(check, records)
+        return
+    while chunk := list(itertools.islice(records, 64 * workers)):
+        yield from pool.map(check, chunk, chunksize=16)
 
 
 def _check_only(checked: Iterator, show: bool) -> tuple[int, list[InputError]]:
