@@ -153,3 +153,19 @@ def test_stats_and_inspect_of_a_mixture_file(datasets):
     shown = run_cli("inspect", path, "-n", "1", "-q")
     assert shown.returncode == 0, shown.stderr
     assert "v/p" in shown.stdout and "o/p" in shown.stdout
+
+
+def test_a_mixture_of_an_index_version_1_and_a_version_2_dataset(datasets):
+    vqa, _ = datasets
+    from .conftest import EXAMPLE
+
+    assert wdsvlm.load_index(EXAMPLE)["version"] == 1 and wdsvlm.load_index(vqa)["version"] == 2
+    sources = [Source(EXAMPLE, repeat=0.5, name="ex"), Source(vqa, repeat=2.0)]
+    loader, seen, _, _ = run(sources, 3, max_length=1024)
+    assert not loader.stats()["dropped"]
+    for p in (0, 1):
+        counts = Counter(key for q, _, key in seen if q == p)
+        assert Counter(name for q, name, _ in seen if q == p) == {"vqa": 94, "ex": 160}
+        assert set(counts.values()) == {1, 2}
+    halves = [{k for q, n, k in seen if q == p and n == "ex"} for p in (0, 1)]
+    assert not halves[0] & halves[1] and len(halves[0] | halves[1]) == 320  # the halves rotate
