@@ -272,15 +272,9 @@ class Plan(IterableDataset):
         samples_per_pass: int | None = None,
     ):
         super().__init__()
-        self.sources, self.mixture = resolve_sources(
-            source, storage_options, read_policy, samples_per_pass
-        )
-        self.index, self.urls = self.sources[0].index, self.sources[0].urls
-        self.seed = seed
-        self._epoch = epoch
-        self.worker_config = worker_config or WorkerConfig.from_environment()
-        self.span_bytes = span_bytes
-        self._orders: OrderedDict[int, PassOrder] = OrderedDict()
+        sources, mixture = resolve_sources(source, storage_options, read_policy, samples_per_pass)
+        worker_config = worker_config or WorkerConfig.from_environment()
+        self._take(sources, mixture, seed, epoch, worker_config, span_bytes)
         for s in self.sources:
             if s.size == 0:
                 raise ValueError(f"{s.index.get('source', s.name)}: the dataset has no samples")
@@ -301,12 +295,15 @@ class Plan(IterableDataset):
         """A plan over sources already resolved (indexes in memory)."""
         plan = cls.__new__(cls)
         IterableDataset.__init__(plan)
-        plan.sources, plan.mixture = list(sources), mixture
-        plan.index, plan.urls = plan.sources[0].index, plan.sources[0].urls
-        plan.seed, plan._epoch, plan.span_bytes = seed, epoch, span_bytes
-        plan.worker_config = worker_config or WorkerConfig()
-        plan._orders = OrderedDict()
+        plan._take(sources, mixture, seed, epoch, worker_config or WorkerConfig(), span_bytes)
         return plan
+
+    def _take(self, sources, mixture, seed, epoch, worker_config, span_bytes) -> None:
+        self.sources, self.mixture = list(sources), mixture
+        self.index, self.urls = self.sources[0].index, self.sources[0].urls
+        self.seed, self._epoch, self.span_bytes = seed, epoch, span_bytes
+        self.worker_config = worker_config
+        self._orders: OrderedDict[int, PassOrder] = OrderedDict()
 
     def __getstate__(self):
         return {**self.__dict__, "_orders": OrderedDict()}
