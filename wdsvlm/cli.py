@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         required=True,
         metavar="FILE",
-        help="LLaVA JSON/JSONL or Cauldron JSONL file (repeat for several)",
+        help="JSON/JSONL records, or Parquet as the Hugging Face Hub publishes it (images "
+        "embedded); globs such as 'data/train-*.parquet' and fsspec URLs; repeat for several",
     )
     write.add_argument(
         "--image-root",
@@ -84,7 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR_OR_URL",
         help="dataset folder, or s3://, gs://, memory://, file:// URL",
     )
-    write.add_argument("--format", choices=("auto", "llava", "cauldron"), default="auto")
+    write.add_argument(
+        "--format",
+        choices=("auto", "llava", "cauldron", "messages"),
+        default="auto",
+        help="records' layout: LLaVA 'conversations', Cauldron 'texts', or 'messages' with "
+        "roles; auto tells them apart by the first record's fields and says which",
+    )
     write.add_argument("--samples-per-shard", type=int, default=5000, metavar="N")
     write.add_argument(
         "--max-shard-bytes",
@@ -117,17 +124,51 @@ def build_parser() -> argparse.ArgumentParser:
 
     index = commands.add_parser(
         "index",
-        help="upgrade a dataset's index to version 2, without touching its shards",
-        description="--upgrade: write each shard's sidecar (its samples' offsets, sizes, image "
-        "sizes and characters per turn) beside it and a root index.json of one entry per "
-        "shard; the tars are not rewritten. index.json is replaced last.",
+        help="index existing WebDataset tars where they are, without rewriting them",
+        description="Read each tar once and write the index the Loader needs (each sample's "
+        "byte range, image sizes from the image headers, characters per turn) beside the "
+        "tars or into --output: per-shard sidecars, index-skipped.jsonl for bad samples, and "
+        "index.json last. Layouts: wdsvlm (its own), captions (KEY.jpg + KEY.txt: user gets "
+        "the image and a prompt, the caption is the answer), conversations (KEY.json with "
+        "LLaVA 'conversations', Cauldron 'texts' or 'messages', beside the images). "
+        "--upgrade turns a version-1 wdsvlm index into version 2 instead.",
     )
-    index.add_argument("source", metavar="SOURCE", help="dataset folder or URL")
+    index.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="folder or URL prefix of the tars, or a brace pattern of tar URLs "
+        "('s3://b/ds/shard-{000000..000099}.tar')",
+    )
+    index.add_argument(
+        "--format",
+        choices=("auto", "wdsvlm", "captions", "conversations"),
+        default="auto",
+        help="the samples' layout; auto looks at the first samples and says what it found",
+    )
+    index.add_argument(
+        "--output",
+        metavar="DIR_OR_URL",
+        help="where the index goes when the tars' place is read-only (default: beside them)",
+    )
+    index.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="captions: the user prompts, one per line (default: wdsvlm's five, see README)",
+    )
+    index.add_argument(
+        "--prompt-seed", type=int, default=0, metavar="N", help="captions: seed of the pick"
+    )
+    index.add_argument("--workers", type=int, default=1, metavar="N", help="tars read at once")
+    index.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="index the good samples, count and list the bad in index-skipped.jsonl",
+    )
+    index.add_argument("--overwrite", action="store_true", help="replace an index at the output")
     index.add_argument(
         "--upgrade",
         action="store_true",
-        required=True,
-        help="turn a version-1 index into version 2",
+        help="turn a wdsvlm dataset's version-1 index into version 2 (nothing else is read)",
     )
     _common(index)
 
@@ -289,6 +330,27 @@ def _verify(args: argparse.Namespace) -> None:
 
 
 def _index(args: argparse.Namespace) -> None:
+    if not args.upgrade:
+        from .tarindex import index_tars
+
+        prompts = None
+        if args.prompts:
+            with open(args.prompts, encoding="utf-8") as f:
+                prompts = [line.strip() for line in f if line.strip()]
+        summary = index_tars(
+            args.source,
+            output=args.output,
+            format=args.format,
+            prompts=prompts,
+            prompt_seed=args.prompt_seed,
+            workers=args.workers,
+            skip_bad=args.skip_bad,
+            overwrite=args.overwrite,
+            storage_options=args.storage_options,
+            show_progress=not args.quiet,
+        )
+        print(summary)
+        return
     from .index import upgrade_dataset
 
     before, index = upgrade_dataset(args.source, args.storage_options)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tarfile
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -61,6 +62,17 @@ def load_index(source: str, storage_options: Mapping[str, Any] | None = None, po
                 sidecar, shard["samples"], storage_options, policy, shard["sidecar"].get("sha256")
             )
     return index
+
+
+def shard_url(source: str, index: Mapping[str, Any], shard: Mapping[str, Any]) -> str:
+    """Where a shard of the index of ``source`` lies: beside the index, or under the index's
+    ``shard_root`` (an index made by ``wdsvlm index --output`` for tars elsewhere)."""
+    root = index.get("shard_root")
+    if root is None:
+        return join(source, shard["name"])
+    if "://" not in root and not os.path.isabs(root):
+        root = join(source, root)
+    return join(root, shard["name"])
 
 
 def check_index(index: Any, where: str) -> None:
@@ -117,7 +129,7 @@ def verify_dataset(source: str, storage_options: Mapping[str, Any] | None = None
     """
     index = load_index(source, storage_options)
     for shard in index["shards"]:
-        _check_file(join(source, shard["name"]), shard, storage_options, "shard")
+        _check_file(shard_url(source, index, shard), shard, storage_options, "shard")
         if index["version"] >= 2:
             _verify_sidecar(source, shard, storage_options)
     return index

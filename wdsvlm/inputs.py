@@ -12,8 +12,11 @@ turn; a source whose marker count differs from its image count is refused.
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -21,8 +24,10 @@ import fsspec
 from .errors import InputError
 from .storage import join
 
+log = logging.getLogger("wdsvlm.inputs")
+
 IMAGE_MARKER = "<image>"
-FORMATS = ("auto", "llava", "cauldron")
+FORMATS = ("auto", "llava", "cauldron", "messages")
 
 _LLAVA_ROLES = {
     "human": "user",
@@ -34,14 +39,26 @@ _LLAVA_ROLES = {
 }
 
 
+def is_parquet(path: str) -> bool:
+    return path.lower().endswith((".parquet", ".pq"))
+
+
 def iter_records(
-    path: str, *, format: str = "auto", image_root: str | None = None
+    path: str,
+    *,
+    format: str = "auto",
+    image_root: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    found: dict | None = None,
 ) -> Iterator[dict | InputError]:
     """Yield every record of one input file, normalized, or the ``InputError`` it raised.
 
-    ``path`` is a JSON file holding a list of records or a JSON Lines file (local or any
-    fsspec URL). Relative image paths are resolved against ``image_root``, by default the
-    folder of ``path``.
+    ``path`` is a JSON file holding a list of records, a JSON Lines file, or a Parquet file
+    in the Hugging Face datasets layout (images as ``{bytes, path}`` structs or lists of
+    them), local or any fsspec URL. Relative image paths are resolved against
+    ``image_root``, by default the folder of ``path``. A record's images embedded in Parquet
+    come as ``Embedded`` references, their bytes under ``data``. ``found`` gets the format
+    of ``path`` (its name: the one given, or the one ``auto`` detected).
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
@@ -49,35 +66,57 @@ def iter_records(
         image_root = path.rsplit("/", 1)[0] if "://" in path else os.path.dirname(path) or "."
     name = os.path.basename(path)
     fmt = None if format == "auto" else format
-    for where, raw in _iter_raw(path):
+    raws = _iter_parquet if is_parquet(path) else _iter_raw
+    for where, raw, origin in raws(path, storage_options):
         if isinstance(raw, InputError):
             yield raw
             continue
         try:
             if fmt is None:
                 fmt = detect_format(raw, path)
-            yield _normalize(raw, fmt, where, name, image_root)
+                log.info("%s: format %s (by its first record's fields)", path, fmt)
+            if found is not None:
+                found[path] = fmt
+            yield _normalize(raw, fmt, where, name, image_root, origin)
         except InputError as e:
             yield e
 
 
 def detect_format(raw: Any, path: str) -> str:
-    if isinstance(raw, dict):
-        if "conversations" in raw:
-            return "llava"
-        if "texts" in raw:
-            return "cauldron"
+    """The format of a record by its fields: ``conversations`` (LLaVA), ``texts``
+    (Cauldron) or ``messages`` (roles and contents)."""
+    if isinstance(raw, Mapping):
+        for name, fmt in _FORMAT_FIELDS.items():
+            if name in raw:
+                return fmt
     raise ValueError(
-        f"cannot tell the format of {path}: its first record has neither 'conversations' "
-        "(LLaVA) nor 'texts' (Cauldron); pass --format llava or --format cauldron"
+        f"cannot tell the format of {path}: its first record has none of 'conversations' "
+        "(LLaVA), 'texts' (Cauldron) or 'messages'; pass --format llava, cauldron or messages"
     )
 
 
-def _iter_raw(path: str) -> Iterator[tuple[str, Any]]:
-    """``(where, parsed JSON or InputError)`` for each record of a JSON or JSON Lines file."""
+_FORMAT_FIELDS = {"conversations": "llava", "texts": "cauldron", "messages": "messages"}
+
+
+def conversation_of(doc: Any, where: str) -> list[dict]:
+    """The checked messages of one record of any of the formats (told apart by its fields),
+    without placing images."""
+    if not isinstance(doc, Mapping):
+        raise InputError(where, "bad_record", f"expected a JSON object, got {type(doc).__name__}")
+    fmt = next((f for name, f in _FORMAT_FIELDS.items() if name in doc), None)
+    if fmt is None:
+        raise InputError(where, "bad_record", "none of 'conversations', 'texts', 'messages'")
+    messages, _ = _PARSERS[fmt](doc, where)
+    _check_turns(messages, where)
+    return messages
+
+
+def _iter_raw(path: str, storage_options=None) -> Iterator[tuple[str, Any, None]]:
+    """``(where, parsed JSON or InputError, None)`` for each record of a JSON or JSON Lines
+    file."""
     name = os.path.basename(path)
     try:
-        with fsspec.open(path, "rb") as f:
+        with fsspec.open(path, "rb", **(storage_options or {})) as f:
             data = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"input file {path} not found") from None
@@ -88,39 +127,127 @@ def _iter_raw(path: str) -> Iterator[tuple[str, Any]]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
         for i, raw in enumerate(records):
-            yield f"{name} record {i}", raw
+            yield f"{name} record {i}", raw, None
         return
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{name} line {lineno}"
         try:
-            yield where, json.loads(line)
+            yield where, json.loads(line), None
         except json.JSONDecodeError as e:
-            yield where, InputError(where, "invalid_json", f"invalid JSON: {e}")
+            yield where, InputError(where, "invalid_json", f"invalid JSON: {e}"), None
 
 
-def _normalize(raw: Any, fmt: str, where: str, name: str, image_root: str) -> dict:
+def _iter_parquet(path: str, storage_options=None) -> Iterator[tuple[str, Any, tuple]]:
+    """``(where, row as a dict, (path, row group, row in it))`` for each row of a Parquet
+    file, a row group at a time: memory holds one row group, whatever the file's size."""
+    import pyarrow.parquet as pq
+
+    name = os.path.basename(path)
+    try:
+        f = fsspec.open(path, "rb", **(storage_options or {})).open()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"input file {path} not found") from None
+    with f:
+        try:
+            parquet = pq.ParquetFile(f)
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors: named with the file
+            raise ValueError(f"{path} is not a readable Parquet file: {e}") from None
+        row = 0
+        for group in range(parquet.num_row_groups):
+            for i, raw in enumerate(parquet.read_row_group(group).to_pylist()):
+                yield f"{name} row {row}", raw, (path, group, i)
+                row += 1
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """An image embedded in a Parquet input: row ``row`` of row group ``group`` of ``path``,
+    its ``column`` (item ``item`` of it when the column holds a list). The writer reads the
+    bytes again from there when it writes the shard, so no image bytes wait in memory."""
+
+    path: str
+    group: int
+    row: int
+    column: str
+    item: int | None
+
+    def __str__(self) -> str:
+        item = "" if self.item is None else f"[{self.item}]"
+        name = os.path.basename(self.path)
+        return f"{name} row group {self.group} row {self.row} {self.column}{item}"
+
+    def read(self, storage_options: Mapping[str, Any] | None = None) -> bytes:
+        value = _row_group_column(self.path, self.group, self.column, storage_options)[self.row]
+        if self.item is not None:
+            value = value[self.item]
+        return bytes(value["bytes"])
+
+
+_groups: OrderedDict[tuple, list] = OrderedDict()  # the last row groups read, per process
+
+
+def _row_group_column(path: str, group: int, column: str, storage_options) -> list:
+    import pyarrow.parquet as pq
+
+    key = (path, group, column)
+    if key not in _groups:
+        with fsspec.open(path, "rb", **(storage_options or {})) as f:
+            _groups[key] = (
+                pq.ParquetFile(f).read_row_group(group, columns=[column])[column].to_pylist()
+            )
+        while len(_groups) > 2:
+            _groups.popitem(last=False)
+    return _groups[key]
+
+
+def _normalize(
+    raw: Any, fmt: str, where: str, name: str, image_root: str, origin: tuple | None = None
+) -> dict:
     if not isinstance(raw, dict):
         raise InputError(where, "bad_record", f"expected a JSON object, got {type(raw).__name__}")
     record_id = raw.get("id", f"{name}:{where.rsplit(' ', 1)[-1]}")
     where = f"{where} (id {record_id!r})" if "id" in raw else where
-    if fmt == "llava":
-        messages, images = _llava(raw, where)
-        source = raw.get("source") or os.path.splitext(name)[0]
-    else:
-        messages, images = _cauldron(raw, where)
+    messages, images = _PARSERS[fmt](raw, where)
+    source = raw.get("source")
+    if not source and fmt == "cauldron":
         texts = raw.get("texts") or [{}]
-        source = raw.get("source") or texts[0].get("source") or os.path.splitext(name)[0]
+        source = texts[0].get("source") if isinstance(texts[0], dict) else None
+    source = source or os.path.splitext(name)[0]
     _check_turns(messages, where)
-    _place_images(messages, len(images), where)
-    return {
+    place_images(messages, len(images), where)
+    record = {
         "where": where,
         "id": record_id,
         "source": str(source),
         "messages": messages,
-        "images": [_resolve(p, image_root, where) for p in images],
+        "images": [_resolve(p, image_root, where) if not _embedded(p) else None for p in images],
     }
+    if any(_embedded(p) for p in images):
+        if origin is None:
+            raise InputError(where, "bad_record", "image bytes can be embedded only in Parquet")
+        column = _image_column(raw)
+        listed = isinstance(raw.get(column), list)
+        record["data"] = [bytes(p["bytes"]) if _embedded(p) else None for p in images]
+        record["images"] = [
+            Embedded(*origin, column, k if listed else None) if _embedded(p) else ref
+            for k, (p, ref) in enumerate(zip(images, record["images"], strict=True))
+        ]
+    return record
+
+
+def _embedded(image: Any) -> bool:
+    return isinstance(image, Mapping) and image.get("bytes") is not None
+
+
+def _image_column(raw: Mapping) -> str:
+    return "image" if raw.get("image") is not None else "images"
+
+
+def _images_of(raw: Mapping) -> list:
+    """The record's images: its ``image`` (one, or a list) or else its ``images``."""
+    return _as_list(raw.get(_image_column(raw)))
 
 
 def _as_list(value: Any) -> list:
@@ -146,7 +273,7 @@ def _llava(raw: dict, where: str) -> tuple[list[dict], list]:
                 f"(expected one of {', '.join(sorted(_LLAVA_ROLES))})",
             )
         messages.append({"role": role, "content": turn["value"]})
-    return messages, _as_list(raw.get("image", raw.get("images")))
+    return messages, _images_of(raw)
 
 
 def _cauldron(raw: dict, where: str) -> tuple[list[dict], list]:
@@ -164,10 +291,50 @@ def _cauldron(raw: dict, where: str) -> tuple[list[dict], list]:
             raise InputError(where, "no_assistant_answer", f"text {n} has no assistant answer")
         messages.append({"role": "user", "content": turn["user"]})
         messages.append({"role": "assistant", "content": answer})
-    images = [
-        img.get("path") if isinstance(img, dict) else img for img in _as_list(raw.get("images"))
-    ]
-    return messages, images
+    return messages, _images_of(raw)
+
+
+def _messages(raw: Mapping, where: str) -> tuple[list[dict], list]:
+    """``messages``: ``[{"role", "content"}]``, a content a string or a list of parts
+    (``{"type": "text", "text"}``, ``{"type": "image"}``: an image marker in its place)."""
+    turns = raw.get("messages")
+    if not isinstance(turns, list) or not turns:
+        raise InputError(where, "bad_record", "'messages' must be a non-empty list")
+    messages = []
+    for n, turn in enumerate(turns, start=1):
+        role = (
+            _LLAVA_ROLES.get(str(turn.get("role", "")).lower())
+            if isinstance(turn, Mapping)
+            else None
+        )
+        if role is None:
+            raise InputError(
+                where, "bad_record", f"message {n} needs a role of user/assistant/system"
+            )
+        messages.append({"role": role, "content": _content(turn.get("content"), n, where)})
+    return messages, _images_of(raw)
+
+
+def _content(content: Any, n: int, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "image":
+                parts.append(IMAGE_MARKER)
+            elif kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise InputError(where, "bad_record", f"message {n}: unknown content part {part!r}")
+        return "".join(parts)
+    raise InputError(
+        where, "bad_record", f"message {n}: content must be a string or a list of parts"
+    )
+
+
+_PARSERS = {"llava": _llava, "cauldron": _cauldron, "messages": _messages}
 
 
 def _check_turns(messages: list[dict], where: str) -> None:
@@ -194,7 +361,7 @@ def _check_turns(messages: list[dict], where: str) -> None:
         raise InputError(where, "bad_record", "no user turn")
 
 
-def _place_images(messages: list[dict], n_images: int, where: str) -> None:
+def place_images(messages: list[dict], n_images: int, where: str) -> None:
     markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
     if markers == n_images:
         return
@@ -210,6 +377,8 @@ def _place_images(messages: list[dict], n_images: int, where: str) -> None:
 
 
 def _resolve(image: Any, image_root: str, where: str) -> str:
+    if isinstance(image, Mapping):  # a {bytes, path} struct with no bytes: its path
+        image = image.get("path")
     if not isinstance(image, str) or not image:
         raise InputError(where, "bad_record", f"image entry {image!r} is not a path")
     if "://" in image or os.path.isabs(image):

@@ -26,11 +26,11 @@ PACK_REASONS = ("too_many_tokens", "too_many_tiles")
 
 
 def _spans(picked: Sequence[tuple]) -> Iterator[dict]:
-    """One read span per ``(shard URL, shard name, index entry[, storage options])``."""
+    """One read span per ``(shard URL, shard name, index entry, storage options, layout)``."""
     from .plan import span
 
-    for url, shard, entry, *options in picked:
-        yield span(url, shard, [entry], storage_options=options[0] if options else None)
+    for url, shard, entry, options, layout in picked:
+        yield span(url, shard, [entry], storage_options=options, layout=layout)
 
 
 def pick_entries(
@@ -131,7 +131,11 @@ def inspect_samples(
     config = image_config or ImageConfig()
     sources, mixture = resolve_sources(source, storage_options)
     if not mixture:
-        picked = pick_entries(sources[0].index, sources[0].urls, n, keys)
+        s = sources[0]
+        picked = [
+            (url, shard, entry, s.storage_options, s.index.get("layout"))
+            for url, shard, entry in pick_entries(s.index, s.urls, n, keys)
+        ]
     else:  # a mixture: the first n of each source, or keys named "SOURCE/KEY"
         names = {s.name for s in sources}
         strays = [k for k in keys if k.split("/", 1)[0] not in names or "/" not in k]
@@ -146,7 +150,7 @@ def inspect_samples(
             if keys and not wanted:
                 continue
             picked += [
-                (url, f"{s.name}/{shard}", entry, s.storage_options)
+                (url, f"{s.name}/{shard}", entry, s.storage_options, s.index.get("layout"))
                 for url, shard, entry in pick_entries(s.index, s.urls, n, wanted)
             ]
     stats = SkipStats(max_consecutive=sys.maxsize)  # bad samples are shown, however many

@@ -29,7 +29,7 @@ from functools import cached_property
 from typing import Any
 
 from .errors import ShardFormatError
-from .index import load_index, scan_index
+from .index import load_index, scan_index, shard_url
 from .storage import join
 
 log = logging.getLogger("wdsvlm.mixture")
@@ -224,7 +224,7 @@ def resolve_source(
     """
     if isinstance(source, str) and not source.endswith(".tar"):
         index = load_index(source, storage_options, policy)
-        return index, [join(source, s["name"]) for s in index["shards"]]
+        return index, [shard_url(source, index, s) for s in index["shards"]]
     urls = _expand(source)
     folder = urls[0].rsplit("/", 1)[0] if "/" in urls[0] else "."
     same_folder = all((u.rsplit("/", 1)[0] if "/" in u else ".") == folder for u in urls)

@@ -121,10 +121,12 @@ def span(
     source: str | None = None,
     shard_bytes: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    layout: Mapping[str, Any] | None = None,
 ) -> dict:
     """One ranged read of shard ``url`` (shown as ``shard``), as ``ReadSamples`` takes it: the
     bytes from the first of ``entries`` (index entries) to the end of the last, its samples
-    listed in reading order, with their ``positions`` (places), pass, worker and source."""
+    listed in reading order, with their ``positions`` (places), pass, worker and source, and
+    the shard's sample ``layout`` (``layouts.Layout.to_dict``) where it is not wdsvlm's own."""
     out = {
         "url": url,
         "shard": shard,
@@ -139,6 +141,8 @@ def span(
     }
     if shard_bytes is not None:  # a shard cache keeps whole shards of this size
         out["shard_bytes"] = shard_bytes
+    if layout and layout.get("name", "wdsvlm") != "wdsvlm":
+        out["layout"] = dict(layout)
     return out
 
 
@@ -439,6 +443,7 @@ class Plan(IterableDataset):
             source=source.name if self.mixture else None,
             shard_bytes=shard["bytes"],
             storage_options=source.storage_options,
+            layout=source.index.get("layout"),
         )
 
     def locate(self, pass_: int, places: Sequence[int], worker: int = 0) -> list[dict]:

@@ -20,6 +20,7 @@ from typing import Any
 
 from .cache import ShardCache
 from .errors import StorageError
+from .layouts import BadSample, Layout
 from .stats import SkipStats
 from .storage import ReadPolicy, read_range
 from .tarball import tar_members
@@ -159,6 +160,7 @@ class ReadSamples:
                     self.stats.skip("read", "unreadable_shard", sample, str(data), streak=False)
                 continue
             positions = span.get("positions") or [None] * len(span["entries"])
+            layout = Layout.from_dict(span["layout"]) if "layout" in span else None
             for entry, position in zip(span["entries"], positions, strict=True):
                 sample = {
                     "__key__": entry["key"],
@@ -196,8 +198,14 @@ class ReadSamples:
                         f"of key {entry['key']}: the index does not match the shard",
                     )
                     continue
+                members = {name[len(prefix) :]: value for name, value in members.items()}
+                if layout is not None:  # another layout's members as wdsvlm's own
+                    try:
+                        members = layout.convert(entry["key"], members)
+                    except BadSample as e:
+                        self.stats.skip("read", e.reason, sample, f"{span['url']}: {e}")
+                        continue
                 self.stats.ok("read")
-                for name, value in members.items():
-                    sample[name[len(prefix) :]] = value
+                sample.update(members)
                 yielded += 1
                 yield sample

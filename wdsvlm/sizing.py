@@ -118,6 +118,7 @@ def characters_per_token(chosen: list[tuple], tokenize: Any, settings: Any) -> f
             source.index["shards"][s]["name"],
             [entry],
             storage_options=source.storage_options,
+            layout=source.index.get("layout"),
         )
         for _, source, s, entry in chosen
     ]

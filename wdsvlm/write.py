@@ -36,7 +36,7 @@ from .index import (
     shard_summary,
     sidecar_entry,
 )
-from .inputs import FORMATS, iter_records
+from .inputs import FORMATS, Embedded, iter_records
 from .progress import progress
 from .sidecar import pack_entries, sidecar_name
 from .storage import (
@@ -102,6 +102,8 @@ class WriteSummary:
     bytes: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    formats: dict[str, str] = field(default_factory=dict)
+    """Each input file's format (detected where ``auto``)."""
 
     def __str__(self) -> str:
         skipped = sum(self.skipped.values())
@@ -111,6 +113,9 @@ class WriteSummary:
             f"in {_count(self.shards, 'shard')}, {self.bytes / 1e6:.1f} MB, to {self.output} "
             f"in {self.seconds:.1f} s; "
         )
+        kinds = sorted(set(self.formats.values()))
+        if kinds:
+            line += f"input format {', '.join(kinds)}; "
         if not skipped:
             return line + "skipped none"
         return line + f"skipped {_count(skipped, 'bad record')} ({reasons}), see {SKIPPED_NAME}"
@@ -148,9 +153,18 @@ def write_dataset(
             "overwrite=True to replace it"
         )
 
+    inputs = expand_inputs(inputs, storage_options)
+    formats: dict[str, str] = {}
+
     def records():
         for path in inputs:
-            yield from iter_records(path, format=opts.format, image_root=image_root)
+            yield from iter_records(
+                path,
+                format=opts.format,
+                image_root=image_root,
+                storage_options=storage_options,
+                found=formats,
+            )
 
     check = partial(check_record, storage_options=storage_options)
     with _pool(opts.workers) as pool:
@@ -162,7 +176,7 @@ def write_dataset(
             remove(index_url, storage_options)  # no reader may pair old and new from here
         checked = _checked_in_batches(pool, check, records(), opts.workers)
         written = _write_shards(pool, checked, output, opts, storage_options)
-        shards, totals, bad = written
+        shards, totals, bad, n_good = written
         if (bad and not opts.skip_bad) or not totals.samples:
             if replacing:  # bad only now (an image gone or unreadable since the check)
                 log.error(
@@ -173,7 +187,7 @@ def write_dataset(
             for shard in shards:  # the input turned out bad: nothing of it stays
                 remove(join(output, shard["name"]), storage_options)
                 remove(join(output, shard["sidecar"]["name"]), storage_options)
-            _refuse_bad(bad, totals.samples, opts.skip_bad, inputs)
+            _refuse_bad(bad, n_good, opts.skip_bad, inputs)
 
     skipped = Counter(e.reason for e in bad)
     skipped_url = join(output, SKIPPED_NAME)
@@ -200,7 +214,26 @@ def write_dataset(
         bytes=totals["bytes"],
         skipped=dict(skipped),
         seconds=time.perf_counter() - started,
+        formats=formats,
     )
+
+
+def expand_inputs(inputs: list[str], storage_options=None) -> list[str]:
+    """Input files with their globs expanded (sorted), local or any fsspec URL."""
+    import fsspec
+
+    out = []
+    for pattern in inputs:
+        if not any(c in pattern for c in "*?["):
+            out.append(pattern)
+            continue
+        fs, path = fsspec.core.url_to_fs(pattern, **(storage_options or {}))
+        found = sorted(fs.glob(path))
+        if not found:
+            raise FileNotFoundError(f"no input files match {pattern}")
+        protocol = pattern.split("://", 1)[0] + "://" if "://" in pattern else ""
+        out += [protocol + p if protocol and "://" not in p else p for p in found]
+    return out
 
 
 def check_record(
@@ -215,18 +248,20 @@ def check_record(
         return record
     where = record["where"]
     images = []
-    for path in record["images"]:
+    embedded = record.get("data") or [None] * len(record["images"])
+    for path, data in zip(record["images"], embedded, strict=True):
         try:
-            data = read_bytes(path, storage_options)
+            if data is None:
+                data = read_bytes(path, storage_options)
         except FileNotFoundError:
-            return InputError(where, "missing_image", f"image file {path} not found")
+            return InputError(where, "missing_image", f"{_image_name(path)} not found")
         except (OSError, StorageError) as e:
-            return InputError(where, "unreadable_image", f"image file {path} cannot be read: {e}")
+            return InputError(where, "unreadable_image", f"{_image_name(path)} cannot be read: {e}")
         try:
             info = probe_image(data)
         except UnreadableImage as e:
             return InputError(
-                where, "unreadable_image", f"image file {path} is not a decodable image: {e}"
+                where, "unreadable_image", f"{_image_name(path)} is not a decodable image: {e}"
             )
         size = len(stored_bytes(data, info)) if info.reencoded else len(data)
         images.append((path, info, size))
@@ -296,17 +331,21 @@ class Totals:
 def _write_shards(pool, checked: Iterator, output: str, opts: WriteOptions, storage_options):
     """Write the good samples of ``checked`` into shards as they fill, at most two per
     worker in flight, so memory holds the open shard and those in flight, never the dataset.
-    Returns the shards' root entries, the totals and the bad records. Once a bad record is
+    Returns the shards' root entries, the totals, the bad records and the number of good
+    ones (written or only checked). Once a bad record is
     seen without ``skip_bad`` nothing more is written (the rest is only checked, so that
     every bad record is reported)."""
     totals, bad, shards = Totals(), [], []
+    n_good = 0  # good records, written or (after a bad one, without skip_bad) only checked
     write = partial(write_shard, output=output, prefix=opts.prefix, storage_options=storage_options)
 
     def good():
+        nonlocal n_good
         for item in progress(checked, enabled=opts.progress, desc="writing", unit=" records"):
             if isinstance(item, InputError):
                 bad.append(item)
                 continue
+            n_good += 1
             if bad and not opts.skip_bad:
                 continue  # refused at the end; checked only
             totals.add(item)
@@ -321,7 +360,7 @@ def _write_shards(pool, checked: Iterator, output: str, opts: WriteOptions, stor
         while len(in_flight) >= 2 * opts.workers:
             shards.append(in_flight.pop(0).get())
     shards += [job.get() for job in in_flight]
-    return shards, totals, bad
+    return shards, totals, bad, n_good
 
 
 def _checked_in_batches(pool, check, records: Iterator, workers: int) -> Iterator:
@@ -394,10 +433,10 @@ def _write_sample(tar: HashingTarWriter, key: str, sample: dict, storage_options
     start = tar.offset
     tar.member(f"{key}.json", sample["json"])
     for n, (path, info, size) in enumerate(sample["images"]):
-        data = stored_bytes(read_bytes(path, storage_options), info)
+        data = stored_bytes(image_bytes(path, storage_options), info)
         if len(data) != size:
             raise InputError(
-                sample["where"], "changed_image", f"image file {path} changed while writing"
+                sample["where"], "changed_image", f"{_image_name(path)} changed while writing"
             )
         tar.member(f"{key}.{n}.{info.ext}", data)
     return {
@@ -407,6 +446,17 @@ def _write_sample(tar: HashingTarWriter, key: str, sample: dict, storage_options
         "images": [[info.width, info.height] for _, info, _ in sample["images"]],
         "chars": sample["chars"],
     }
+
+
+def _image_name(image: str | Embedded) -> str:
+    return f"image {image}" if isinstance(image, Embedded) else f"image file {image}"
+
+
+def image_bytes(image: str | Embedded, storage_options=None) -> bytes:
+    """An image's bytes: from its file or URL, or from the Parquet row that embeds it."""
+    if isinstance(image, Embedded):
+        return image.read(storage_options)
+    return read_bytes(image, storage_options)
 
 
 def build_index(
