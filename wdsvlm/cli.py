@@ -114,6 +114,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip bad records (counted, listed in skipped.jsonl) instead of stopping",
     )
     write.add_argument("--overwrite", action="store_true", help="replace a dataset at the output")
+    write.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="local: processes on this machine; ray: Ray tasks (pip install 'wdsvlm[ray]'), "
+        "the same output",
+    )
+    write.add_argument(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="--engine ray: join this Ray cluster (e.g. auto, ray://head:10001) and use its "
+        "CPUs; without it --workers N starts a local Ray of N CPUs",
+    )
     _common(write)
 
     verify = commands.add_parser(
@@ -314,6 +327,8 @@ def _write(args: argparse.Namespace) -> None:
         skip_bad=args.skip_bad,
         overwrite=args.overwrite,
         progress=not args.quiet,
+        engine=args.engine,
+        ray_address=args.ray_address,
     )
     print(summary)
 

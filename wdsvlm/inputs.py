@@ -15,7 +15,8 @@ import json
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,12 +140,31 @@ def _iter_raw(path: str, storage_options=None) -> Iterator[tuple[str, Any, None]
             yield where, InputError(where, "invalid_json", f"invalid JSON: {e}"), None
 
 
-def _iter_parquet(path: str, storage_options=None) -> Iterator[tuple[str, Any, tuple]]:
+def _iter_parquet(
+    path: str, storage_options=None, groups: Sequence[int] | None = None, first_row: int = 0
+) -> Iterator[tuple[str, Any, tuple]]:
     """``(where, row as a dict, (path, row group, row in it))`` for each row of a Parquet
-    file, a row group at a time: memory holds one row group, whatever the file's size."""
-    import pyarrow.parquet as pq
-
+    file (of its row ``groups``, the first of them starting at row ``first_row``), a row
+    group at a time: memory holds one row group, whatever the file's size."""
     name = os.path.basename(path)
+    with open_parquet(path, storage_options) as parquet:
+        row = first_row
+        for group in range(parquet.num_row_groups) if groups is None else groups:
+            for i, raw in enumerate(parquet.read_row_group(group).to_pylist()):
+                yield f"{name} row {row}", raw, (path, group, i)
+                row += 1
+
+
+@contextmanager
+def open_parquet(path: str, storage_options=None):
+    """A ``pyarrow.parquet.ParquetFile`` of ``path`` (local or any fsspec URL), its errors
+    named with the file."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(
+            f"{path}: Parquet input needs pyarrow: pip install 'wdsvlm[parquet]'"
+        ) from None
     try:
         f = fsspec.open(path, "rb", **(storage_options or {})).open()
     except FileNotFoundError:
@@ -154,11 +174,24 @@ def _iter_parquet(path: str, storage_options=None) -> Iterator[tuple[str, Any, t
             parquet = pq.ParquetFile(f)
         except Exception as e:  # noqa: BLE001 - pyarrow's errors: named with the file
             raise ValueError(f"{path} is not a readable Parquet file: {e}") from None
-        row = 0
-        for group in range(parquet.num_row_groups):
-            for i, raw in enumerate(parquet.read_row_group(group).to_pylist()):
-                yield f"{name} row {row}", raw, (path, group, i)
-                row += 1
+        yield parquet
+
+
+def parquet_format(parquet, path: str) -> str:
+    """A Parquet file's format from its columns' names (no row read)."""
+    return detect_format({name: None for name in parquet.schema_arrow.names}, path)
+
+
+def normalize(
+    raw: Any, fmt: str, where: str, path: str, image_root: str | None, origin=None
+) -> dict | InputError:
+    """One raw record (a JSON object or a Parquet row) in the writer's form, or its error."""
+    if image_root is None:
+        image_root = path.rsplit("/", 1)[0] if "://" in path else os.path.dirname(path) or "."
+    try:
+        return _normalize(raw, fmt, where, os.path.basename(path), image_root, origin)
+    except InputError as e:
+        return e
 
 
 @dataclass(frozen=True)
@@ -189,14 +222,10 @@ _groups: OrderedDict[tuple, list] = OrderedDict()  # the last row groups read, p
 
 
 def _row_group_column(path: str, group: int, column: str, storage_options) -> list:
-    import pyarrow.parquet as pq
-
     key = (path, group, column)
     if key not in _groups:
-        with fsspec.open(path, "rb", **(storage_options or {})) as f:
-            _groups[key] = (
-                pq.ParquetFile(f).read_row_group(group, columns=[column])[column].to_pylist()
-            )
+        with open_parquet(path, storage_options) as parquet:
+            _groups[key] = parquet.read_row_group(group, columns=[column])[column].to_pylist()
         while len(_groups) > 2:
             _groups.popitem(last=False)
     return _groups[key]

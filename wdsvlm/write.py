@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -126,25 +126,38 @@ def _count(n: int, noun: str) -> str:
 
 
 def write_dataset(
-    inputs: str | Iterable[str],
+    inputs: str | Iterable[str] | Any,
     output: str,
     *,
     image_root: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    engine: str = "local",
+    ray_address: str | None = None,
     **options: Any,
 ) -> WriteSummary:
-    """Write the records of ``inputs`` (LLaVA or Cauldron JSON/JSONL files) as a dataset.
+    """Write the records of ``inputs`` (JSON/JSONL files of LLaVA, Cauldron or ``messages``
+    records, or Parquet files with embedded images; globs expanded) as a dataset.
 
     ``output`` is a local folder or an fsspec URL (``s3://bucket/prefix``, ``gs://...``,
     ``memory://...``). ``image_root`` is where relative image paths start (default: each input
     file's folder). ``storage_options`` go to fsspec for the output and for inputs and images
-    given as URLs. Keyword ``options`` are the fields of ``WriteOptions``.
+    given as URLs. ``engine="ray"`` runs the checks and shard writes as Ray tasks (see
+    ``wdsvlm.ray``; ``inputs`` may then be a ``ray.data.Dataset`` of records), joining the
+    cluster at ``ray_address`` or starting a local Ray of ``workers`` CPUs; the output is
+    the same. Keyword ``options`` are the fields of ``WriteOptions``.
     """
     opts = WriteOptions(**options)
     started = time.perf_counter()
-    inputs = [inputs] if isinstance(inputs, str) else list(inputs)
-    if not inputs:
-        raise ValueError("no input files given")
+    if engine not in ("local", "ray"):
+        raise ValueError(f"engine must be 'local' or 'ray', not {engine!r}")
+    dataset = None if isinstance(inputs, str) or _is_iterable(inputs) else inputs
+    if dataset is not None and engine != "ray":
+        raise TypeError(f"inputs must be file paths, not {type(inputs).__name__} (or engine='ray')")
+    if dataset is None:
+        inputs = [inputs] if isinstance(inputs, str) else list(inputs)
+        if not inputs:
+            raise ValueError("no input files given")
+        inputs = expand_inputs(inputs, storage_options)
     index_url = join(output, INDEX_NAME)
     replacing = exists(index_url, storage_options)
     if replacing and not opts.overwrite:
@@ -152,30 +165,30 @@ def write_dataset(
             f"{output} already holds a dataset ({INDEX_NAME}); pass --overwrite / "
             "overwrite=True to replace it"
         )
-
-    inputs = expand_inputs(inputs, storage_options)
     formats: dict[str, str] = {}
+    named = ["the Ray dataset"] if dataset is not None else inputs
+    if engine == "ray":
+        from .ray import RayEngine
 
-    def records():
-        for path in inputs:
-            yield from iter_records(
-                path,
-                format=opts.format,
-                image_root=image_root,
-                storage_options=storage_options,
-                found=formats,
-            )
-
-    check = partial(check_record, storage_options=storage_options)
-    with _pool(opts.workers) as pool:
+        runner = RayEngine(
+            dataset if dataset is not None else inputs,
+            opts,
+            image_root,
+            storage_options,
+            formats,
+            ray_address,
+        )
+    else:
+        runner = _LocalEngine(inputs, opts, image_root, storage_options, formats)
+    with runner as run:
+        opts = replace(opts, workers=run.workers)
         if replacing:
             # a check alone first: bad new input must leave the old dataset whole, and the
             # new shards take the old ones' names
-            good, bad = _check_only(_map(pool, check, records(), 16), opts.progress)
-            _refuse_bad(bad, good, opts.skip_bad, inputs)
+            good, bad = _check_only(run.checked(), opts.progress)
+            _refuse_bad(bad, good, opts.skip_bad, named)
             remove(index_url, storage_options)  # no reader may pair old and new from here
-        checked = _checked_in_batches(pool, check, records(), opts.workers)
-        written = _write_shards(pool, checked, output, opts, storage_options)
+        written = _write_shards(run, run.checked(), output, opts, storage_options)
         shards, totals, bad, n_good = written
         if (bad and not opts.skip_bad) or not totals.samples:
             if replacing:  # bad only now (an image gone or unreadable since the check)
@@ -187,7 +200,7 @@ def write_dataset(
             for shard in shards:  # the input turned out bad: nothing of it stays
                 remove(join(output, shard["name"]), storage_options)
                 remove(join(output, shard["sidecar"]["name"]), storage_options)
-            _refuse_bad(bad, n_good, opts.skip_bad, inputs)
+            _refuse_bad(bad, n_good, opts.skip_bad, named)
 
     skipped = Counter(e.reason for e in bad)
     skipped_url = join(output, SKIPPED_NAME)
@@ -328,10 +341,11 @@ class Totals:
         self.sources[sample["source"]] += 1
 
 
-def _write_shards(pool, checked: Iterator, output: str, opts: WriteOptions, storage_options):
+def _write_shards(run, checked: Iterator, output: str, opts: WriteOptions, storage_options):
     """Write the good samples of ``checked`` into shards as they fill, at most two per
     worker in flight, so memory holds the open shard and those in flight, never the dataset.
-    Returns the shards' root entries, the totals, the bad records and the number of good
+    ``run`` is the engine the writes go to. Returns the shards' root entries, the totals, the
+    bad records and the number of good
     ones (written or only checked). Once a bad record is
     seen without ``skip_bad`` nothing more is written (the rest is only checked, so that
     every bad record is reported)."""
@@ -353,14 +367,57 @@ def _write_shards(pool, checked: Iterator, output: str, opts: WriteOptions, stor
 
     in_flight: list = []
     for plan in plan_shards(good(), opts.samples_per_shard, opts.max_shard_bytes):
-        if pool is None:
+        if getattr(run, "pool", True) is None:  # no processes: write here
             shards.append(write(plan))
             continue
-        in_flight.append(pool.apply_async(write, (plan,)))
+        in_flight.append(run.apply_async(write, (plan,)))
         while len(in_flight) >= 2 * opts.workers:
             shards.append(in_flight.pop(0).get())
     shards += [job.get() for job in in_flight]
     return shards, totals, bad, n_good
+
+
+def _is_iterable(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) or (
+        hasattr(value, "__iter__") and not hasattr(value, "iter_batches")
+    )
+
+
+class _LocalEngine:
+    """The writer's work on this machine: checks and shard writes in ``workers`` processes
+    (none: in this one). ``checked()`` gives the checked records in input order; writes go
+    through ``apply_async`` (``None`` as the pool: in this process)."""
+
+    def __init__(self, inputs, opts: WriteOptions, image_root, storage_options, formats):
+        self.inputs, self.opts, self.image_root = inputs, opts, image_root
+        self.storage_options, self.formats = storage_options, formats
+        self.workers = opts.workers
+        self.pool = None
+
+    def __enter__(self):
+        self._context = _pool(self.workers)
+        self.pool = self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._context.__exit__(*exc)
+
+    def records(self) -> Iterator:
+        for path in self.inputs:
+            yield from iter_records(
+                path,
+                format=self.opts.format,
+                image_root=self.image_root,
+                storage_options=self.storage_options,
+                found=self.formats,
+            )
+
+    def checked(self) -> Iterator:
+        check = partial(check_record, storage_options=self.storage_options)
+        return _checked_in_batches(self.pool, check, self.records(), self.workers)
+
+    def apply_async(self, fn, args):
+        return self.pool.apply_async(fn, args)
 
 
 def _checked_in_batches(pool, check, records: Iterator, workers: int) -> Iterator:
@@ -385,7 +442,7 @@ def _check_only(checked: Iterator, show: bool) -> tuple[int, list[InputError]]:
     return good, bad
 
 
-def _refuse_bad(bad: list[InputError], good: int, skip_bad: bool, inputs: list[str]) -> None:
+def _refuse_bad(bad: list[InputError], good: int, skip_bad: bool, inputs: list) -> None:
     if (bad and not skip_bad) or (bad and not good):
         raise BadInputError(bad, good + len(bad))
     if not good:
@@ -501,8 +558,3 @@ def _pool(workers: int) -> Iterator[Any]:
     # spawn: safe whatever threads the caller has running (fork with threads can deadlock)
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         yield pool
-
-
-def _map(pool, fn, items: Iterable, chunksize: int) -> Iterator:
-    """``fn`` over ``items`` in order, in the pool if there is one."""
-    return map(fn, items) if pool is None else pool.imap(fn, items, chunksize)

@@ -1,0 +1,219 @@
+"""The Ray side of tests/test_ray.py, run as ``python -m tests.ray_job CASE WORKDIR`` inside a
+network namespace of its own that holds only loopback (so every server Ray and moto start
+listens on 127.0.0.1 and nowhere else). It writes what it found to ``WORKDIR/CASE.json``;
+the test asserts on it. Past its time limit it prints every thread's stack and exits."""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no usage statistics
+os.environ["RAY_AUTH_MODE"] = "disabled"  # no token written to ~/.ray
+for name, value in {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}.items():
+    os.environ[name] = value
+
+import ray  # noqa: E402
+
+import wdsvlm  # noqa: E402
+import wdsvlm.ray  # noqa: E402
+from wdsvlm.cli import main as cli  # noqa: E402
+
+TEMP_PREFIX = "wdsvlm-ray-"  # Ray's session files go under /tmp/wdsvlm-ray-*, removed after
+
+
+@contextlib.contextmanager
+def ray_session(cpus: int):
+    """A local Ray of ``cpus`` CPUs, its session files in a folder of its own, stopped and
+    removed after."""
+    temp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")  # short: Ray's socket paths
+    ray.init(num_cpus=cpus, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
+    try:
+        yield temp
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def moto():
+    """A moto S3 server on 127.0.0.1 and a bucket; yields ``(s3 URL, storage_options)``."""
+    import socket
+    import urllib.request
+
+    import s3fs
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
+    proc = subprocess.Popen(
+        [exe, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(endpoint, timeout=1)
+                break
+            except urllib.error.HTTPError:
+                break
+            except OSError:
+                time.sleep(0.1)
+        options = {"client_kwargs": {"endpoint_url": endpoint}}
+        s3fs.S3FileSystem(**options).mkdir("out")
+        yield "s3://out", options
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def digests(url: str, options=None) -> dict[str, str]:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **(options or {}))
+    fs.invalidate_cache()
+    return {
+        path.rsplit("/", 1)[-1]: hashlib.sha256(fs.cat_file(path)).hexdigest()
+        for path in sorted(fs.find(root))
+    }
+
+
+def suite(work: str) -> dict:
+    """Ray writes of the test's inputs: JSON and Parquet on 1 and 2 CPUs, a Ray Dataset, the
+    CLI with --workers and with --ray-address, bad input, an S3 output; and tars written by
+    Ray Data's own write_webdataset for `wdsvlm index`."""
+    spec = json.load(open(os.path.join(work, "inputs.json")))
+    found: dict = {}
+    for cpus in (1, 2):
+        with ray_session(cpus):
+            for kind, inputs in (("json", spec["json"]), ("parquet", spec["parquet"])):
+                out = os.path.join(work, f"ray{cpus}-{kind}")
+                wdsvlm.ray.write_dataset(
+                    inputs, out, image_root=spec["image_root"], progress=False, **spec["options"]
+                )
+                found[f"ray{cpus}-{kind}"] = digests(out)
+            if cpus == 2:
+                records = [json.loads(line) for line in open(spec["json"])]
+                out = os.path.join(work, "ray-dataset")
+                data = ray.data.from_items(records, override_num_blocks=3)
+                wdsvlm.ray.write_dataset(
+                    data, out, image_root=spec["image_root"], progress=False, **spec["options"]
+                )
+                found["ray-dataset"] = digests(out)
+                try:
+                    wdsvlm.ray.write_dataset(spec["bad"], os.path.join(work, "bad"), progress=False)
+                except wdsvlm.BadInputError as e:
+                    found["bad-error"] = str(e)
+                summary = wdsvlm.ray.write_dataset(
+                    spec["bad"], os.path.join(work, "bad"), skip_bad=True, progress=False
+                )
+                found["bad-skipped"] = summary.skipped
+                found["bad-listed"] = open(os.path.join(work, "bad", "skipped.jsonl")).read()
+                with moto() as (bucket, options):
+                    wdsvlm.ray.write_dataset(
+                        spec["json"],
+                        f"{bucket}/ds",
+                        image_root=spec["image_root"],
+                        storage_options=options,
+                        progress=False,
+                        **spec["options"],
+                    )
+                    found["s3"] = digests(f"{bucket}/ds", options)
+                rows = []  # raw image bytes and JSON text: no encoder re-encodes them
+                for sample in spec["webdataset"]:
+                    row = {"__key__": sample["key"], "json": sample["json"]}
+                    for suffix, path in sample["images"].items():
+                        row[suffix] = open(path, "rb").read()
+                    rows.append(row)
+                ray.data.from_items(rows, override_num_blocks=1).write_webdataset(
+                    os.path.join(work, "rwds"), encoder=None
+                )
+    # the command line: a local Ray of --workers CPUs, then a running cluster's address
+    args = ["write", "--engine", "ray", "--image-root", spec["image_root"], "-q"]
+    args += spec["cli_options"]
+    out = f"{work}/cli-workers"
+    code = cli([*args, "--input", spec["json"], "--output", out, "--workers", "2"])
+    found["cli-workers"] = [code, digests(f"{work}/cli-workers")]
+    temp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    port = "6390"
+    head = [ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}"]
+    head += ["--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp}"]
+    head += ["--disable-usage-stats"]
+    subprocess.run(head, check=True, capture_output=True)
+    try:
+        out = f"{work}/cli-address"
+        address = ["--ray-address", f"127.0.0.1:{port}"]
+        code = cli([*args, "--input", spec["json"], "--output", out, *address])
+        found["cli-address"] = [code, digests(f"{work}/cli-address")]
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], capture_output=True)
+        shutil.rmtree(temp, ignore_errors=True)
+    return found
+
+
+def kill_worker(work: str) -> dict:
+    """A Ray worker process killed while it writes a shard to S3: Ray runs the task again and
+    the output is whole and the same."""
+    spec = json.load(open(os.path.join(work, "inputs.json")))
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def hunt():
+        while not stop.is_set() and not killed:
+            for pid in os.listdir("/proc"):
+                if not pid.isdigit():
+                    continue
+                try:
+                    title = open(f"/proc/{pid}/cmdline", "rb").read()
+                except OSError:
+                    continue
+                if title.startswith(b"ray::_run"):  # a worker running a shard write
+                    os.kill(int(pid), signal.SIGKILL)
+                    killed.append(int(pid))
+                    return
+            time.sleep(0.002)
+
+    with ray_session(2), moto() as (bucket, options):
+        thread = threading.Thread(target=hunt, daemon=True)
+        thread.start()
+        summary = wdsvlm.ray.write_dataset(
+            spec["json"],
+            f"{bucket}/ds",
+            image_root=spec["image_root"],
+            storage_options=options,
+            progress=False,
+            **spec["options"],
+        )
+        stop.set()
+        thread.join()
+        return {"killed": killed, "shards": summary.shards, "s3": digests(f"{bucket}/ds", options)}
+
+
+def main() -> None:
+    case, work = sys.argv[1], sys.argv[2]
+    faulthandler.dump_traceback_later(float(sys.argv[3]), exit=True)
+    found = {"suite": suite, "kill_worker": kill_worker}[case](work)
+    with open(os.path.join(work, f"{case}.json"), "w") as f:
+        json.dump(found, f)
+
+
+if __name__ == "__main__":
+    main()
