@@ -59,6 +59,9 @@ def test_bucket_backends_and_plots_are_extras_not_core():
     assert {requirement_name(r) for r in extras["s3"]} == {"s3fs"}
     assert {requirement_name(r) for r in extras["gcs"]} == {"gcsfs"}
     assert {requirement_name(r) for r in extras["plots"]} == {"matplotlib"}
+    assert not core & {"ray", "pyarrow"}  # Parquet input and the Ray engine are extras
+    assert {requirement_name(r) for r in extras["ray"]} == {"ray", "pyarrow"}
+    assert {requirement_name(r) for r in extras["parquet"]} == {"pyarrow"}
 
 
 def test_the_license_file_matches_the_declared_license_and_the_package_is_typed():
@@ -85,6 +88,26 @@ def test_a_missing_backend_is_one_line_naming_the_install(url, extra):
         f"wdsvlm verify: error: cannot open '{url}/index.json': its backend is not installed: "
         f"pip install 'wdsvlm[{extra}]'"
     )
+
+
+@pytest.mark.processes
+def test_parquet_input_and_the_ray_engine_without_their_extras_are_one_line_naming_them(tmp_path):
+    block = "import sys; sys.modules.update({m: None for m in ('ray', 'pyarrow')}); "
+    records = tmp_path / "r.jsonl"
+    records.write_text(
+        '{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}\n'
+    )
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    for args, extra in (
+        (["--input", str(records), "--engine", "ray"], "ray"),
+        (["--input", str(tmp_path / "t.parquet")], "parquet"),
+    ):
+        out = str(tmp_path / f"out-{extra}")
+        code = block + f"from wdsvlm.cli import main; sys.exit(main(['write', *{args!r}, "
+        code += f"'--output', {out!r}, '-q']))"
+        run = run_process([sys.executable, "-c", code], timeout=60)
+        assert run.returncode == 1, run.stderr
+        assert run.stderr.strip().endswith(f"pip install 'wdsvlm[{extra}]'"), run.stderr
 
 
 @pytest.mark.processes

@@ -150,6 +150,8 @@ def write_dataset(
     started = time.perf_counter()
     if engine not in ("local", "ray"):
         raise ValueError(f"engine must be 'local' or 'ray', not {engine!r}")
+    if ray_address and engine != "ray":
+        raise ValueError("a Ray address is for the Ray engine: add --engine ray / engine='ray'")
     dataset = None if isinstance(inputs, str) or _is_iterable(inputs) else inputs
     if dataset is not None and engine != "ray":
         raise TypeError(f"inputs must be file paths, not {type(inputs).__name__} (or engine='ray')")
