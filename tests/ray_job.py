@@ -210,7 +210,12 @@ def kill_worker(work: str) -> dict:
 def main() -> None:
     case, work = sys.argv[1], sys.argv[2]
     faulthandler.dump_traceback_later(float(sys.argv[3]), exit=True)
-    found = {"suite": suite, "kill_worker": kill_worker}[case](work)
+    # every Ray session of the job, those wdsvlm starts itself included, under one folder
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")
+    try:
+        found = {"suite": suite, "kill_worker": kill_worker}[case](work)
+    finally:
+        shutil.rmtree(os.environ["RAY_TMPDIR"], ignore_errors=True)
     with open(os.path.join(work, f"{case}.json"), "w") as f:
         json.dump(found, f)
 

@@ -104,11 +104,14 @@ def inputs(tmp_path_factory):
 
 def run_job(work, case: str, limit: float = 300) -> dict:
     before = set(os.listdir("/tmp"))
+    sessions = set(os.listdir("/tmp/ray")) if os.path.isdir("/tmp/ray") else set()
     args = [sys.executable, "-m", "tests.ray_job", case, str(work), str(limit - 20)]
     result = in_private_network(args, limit)
     assert result.returncode == 0, f"{case}:\n{result.stdout[-3000:]}\n{result.stderr[-8000:]}"
     left = [n for n in set(os.listdir("/tmp")) - before if n.startswith("wdsvlm-ray-")]
     assert not left, f"Ray session files left behind: {left}"
+    now = set(os.listdir("/tmp/ray")) if os.path.isdir("/tmp/ray") else set()
+    assert now <= sessions, f"Ray session files left in /tmp/ray: {sorted(now - sessions)}"
     return json.load(open(os.path.join(work, f"{case}.json")))
 
 

@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tarfile
 
 import pytest
@@ -325,3 +326,26 @@ def test_a_brace_pattern_on_s3_is_indexed_into_the_bucket(captions, s3_bucket):
     assert summary.layout == "captions" and summary.samples == 20
     got, got_keys = one_pass(f"{url}/tars", storage_options=options)
     assert got == one_pass(ref)[0] and sorted(got_keys) == keys
+
+
+def test_wdsvlm_tars_copied_without_their_index_are_indexed_and_read_as_before(tmp_path):
+    """shards_example's tars alone: `auto` finds wdsvlm's own layout, and the Loader, stats
+    and verify read them as they read the dataset with the index it was written with."""
+    folder = tmp_path / "copied"
+    folder.mkdir()
+    for name in sorted(os.listdir(EXAMPLE)):
+        if name.endswith(".tar"):
+            shutil.copy(os.path.join(EXAMPLE, name), folder / name)
+    result = run_cli("index", str(folder), "--workers", "2", "-q")
+    assert result.returncode == 0, result.stderr
+    assert "layout wdsvlm (detected: a json member with wdsvlm's" in result.stdout
+    original = wdsvlm.index.load_index(EXAMPLE)
+    indexed = wdsvlm.index.load_index(str(folder))
+    for a, b in zip(original["shards"], indexed["shards"], strict=True):
+        assert (a["name"], a["bytes"], a["sha256"]) == (b["name"], b["bytes"], b["sha256"])
+        assert list(a["entries"]) == list(b["entries"])
+    options = {"batches_per_epoch": 6, "max_length": 1024}
+    assert one_pass(str(folder), **options)[0] == one_pass(EXAMPLE, **options)[0]
+    args = ["--tokenizer", TOKENIZER, "--max-length", "1024", "--limit", "40", "-q"]
+    stats = run_cli("stats", str(folder), *args)
+    assert stats.returncode == 0 and "samples" in stats.stdout, stats.stderr
