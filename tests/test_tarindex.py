@@ -114,6 +114,13 @@ def test_shardwriter_captions_are_indexed_in_place_and_read_as_wdsvlm_write_woul
     want, _ = one_pass(ref)
     assert got == want  # the same batches, bit for bit
     assert sorted(got_keys) == keys  # every sample once per pass
+    bench = run_cli(
+        "bench", tars, "--tokenizer", TOKENIZER, "--max-length", "512", "--workers", "0",
+        "--batch-size", "4", "--tile-size", "64", "--max-image-side", "128", "--json", "-q",
+    )  # fmt: skip
+    assert bench.returncode == 0, bench.stderr
+    result = json.loads(bench.stdout)  # the naive side reads the captions layout too
+    assert result["naive"]["samples"] == 20 and result["wdsvlm"]["samples"] >= 20
 
 
 def test_the_index_goes_to_output_when_the_tars_place_is_not_to_be_written(captions, tmp_path):

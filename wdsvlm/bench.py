@@ -151,11 +151,12 @@ def naive_pipeline(
     max_length: int,
     batch_size: int,
     storage_options: Mapping[str, Any] | None = None,
+    layout: Mapping[str, Any] | None = None,
 ):
     """The naive pipeline as a webdataset ``DataPipeline`` of padded batches (shards split
     over DataLoader workers)."""
     return webdataset_batches(
-        urls, _Naive(tokenize), max_length, batch_size, pad_to_longest, storage_options
+        urls, _Naive(tokenize), max_length, batch_size, pad_to_longest, storage_options, layout
     )
 
 
@@ -166,10 +167,12 @@ def webdataset_batches(
     batch_size: int,
     collate,
     storage_options: Mapping[str, Any] | None = None,
+    layout: Mapping[str, Any] | None = None,
 ):
     """A plain webdataset ``DataPipeline``: shards split over DataLoader workers, read with
-    webdataset's tar reader, samples (members by extension) through ``stage``, those over
-    ``max_length`` tokens dropped, batches of ``batch_size`` made by ``collate``."""
+    webdataset's tar reader, samples (members by extension; of another ``layout``, made
+    wdsvlm's own) through ``stage``, those over ``max_length`` tokens dropped, batches of
+    ``batch_size`` made by ``collate``."""
     import functools
 
     import webdataset as wds
@@ -181,10 +184,35 @@ def webdataset_batches(
         _OpenShards(storage_options),
         tar_file_expander,
         group_by_keys,
+        _AsOwn(layout),
         stage,
         wds.select(functools.partial(_fits, max_length=max_length)),
         wds.batched(batch_size, collation_fn=collate, partial=True),
     )
+
+
+class _AsOwn:
+    """Samples of another layout (``layouts``) as wdsvlm's own members; those that make no
+    sample of it are dropped (the Loader counts them)."""
+
+    def __init__(self, layout: Mapping[str, Any] | None):
+        from .layouts import Layout
+
+        self.layout = Layout.from_dict(layout)
+
+    def __call__(self, samples: Iterator[dict]) -> Iterator[dict]:
+        from .layouts import BadSample
+
+        for sample in samples:
+            if self.layout.native:
+                yield sample
+                continue
+            meta = {k: v for k, v in sample.items() if k.startswith("__")}
+            members = {k: v for k, v in sample.items() if not k.startswith("__")}
+            try:
+                yield {**meta, **self.layout.convert(sample["__key__"], members)}
+            except BadSample:
+                continue
 
 
 def _fits(sample: dict, max_length: int) -> bool:
@@ -269,7 +297,9 @@ def run_bench(
 
     return side_by_side(
         source,
-        lambda urls: naive_pipeline(urls, tokenize, max_length, batch_size, storage_options),
+        lambda urls, layout: naive_pipeline(
+            urls, tokenize, max_length, batch_size, storage_options, layout
+        ),
         loader,
         workers=workers,
         limit=limit,
@@ -297,7 +327,7 @@ def side_by_side(
     show_progress: bool = True,
     each=None,
 ) -> dict:
-    """Time the naive pipeline that ``make_naive(urls)`` makes of the source's shards
+    """Time the naive pipeline that ``make_naive(urls, layout)`` makes of the source's shards
     (batches, in a DataLoader with ``workers`` workers, at most one a shard), then the Loader
     that ``make_loader()`` makes (timed from before it is made: its set-up counts;
     ``each(batch)`` is called on every batch inside the timing): the ``source``, its
@@ -313,7 +343,8 @@ def side_by_side(
     naive_workers = min(workers, len(urls))
     results = {}
     with progress(total=total, enabled=show_progress, desc="naive", unit=" samples") as bar:
-        naive = DataLoader(make_naive(urls), batch_size=None, num_workers=naive_workers)
+        pipeline = make_naive(urls, index.get("layout"))
+        naive = DataLoader(pipeline, batch_size=None, num_workers=naive_workers)
         results["naive"] = timed(naive, limit, bar)
     with progress(total=total, enabled=show_progress, desc="wdsvlm", unit=" samples") as bar:
         started = time.perf_counter()

@@ -180,6 +180,7 @@ def processor_pipeline(
     max_length: int,
     batch_size: int,
     storage_options: Mapping[str, Any] | None = None,
+    layout: Mapping[str, Any] | None = None,
 ):
     """The naive way as a webdataset ``DataPipeline`` of padded batches."""
     tok = processor.tokenizer
@@ -191,6 +192,7 @@ def processor_pipeline(
         batch_size,
         _PadOutputs(0 if pad is None else pad),
         storage_options,
+        layout,
     )
 
 
@@ -236,7 +238,9 @@ def run_processor_bench(
     ip = processor.image_processor
     return side_by_side(
         source,
-        lambda urls: processor_pipeline(urls, processor, max_length, batch_size, storage_options),
+        lambda urls, layout: processor_pipeline(
+            urls, processor, max_length, batch_size, storage_options, layout
+        ),
         loader,
         workers=workers,
         limit=limit,
