@@ -137,6 +137,11 @@ def test_the_index_goes_to_output_when_the_tars_place_is_not_to_be_written(capti
     shown = run_cli("inspect", out, "--key", keys[3], "--out", str(tmp_path / "sheet"))
     assert shown.returncode == 0, shown.stderr
     assert Layout("captions").prompt(keys[3]) in shown.stdout
+    # a relative path to the tars is kept absolute in the index, read from anywhere
+    elsewhere = str(tmp_path / "relative")
+    relative = os.path.relpath(tars)
+    index_tars(relative, output=elsewhere, format="captions", show_progress=False)
+    assert json.load(open(os.path.join(elsewhere, "index.json")))["shard_root"] == tars
     # an index there already is kept unless asked to replace it
     with pytest.raises(wdsvlm.errors.DatasetExistsError):
         index_tars(tars, output=out, show_progress=False)

@@ -18,6 +18,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import re
 import tarfile
 import time
@@ -184,8 +185,8 @@ def index_tars(
             "skipped": dict(sorted(skipped.items())),
         },
     }
-    if output != folder:
-        index["shard_root"] = folder
+    if output != folder:  # absolute: the index may be read from anywhere
+        index["shard_root"] = folder if "://" in folder else os.path.abspath(folder)
     publish_bytes(dumps_index(index), index_url, storage_options)
     if bad:
         log.warning(
