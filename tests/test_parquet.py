@@ -90,6 +90,27 @@ def test_cauldron_parquet_images_are_written_byte_for_byte(tmp_path):
     entries = [e for s in index["shards"] for e in s["entries"]]
     assert [len(e["images"]) for e in entries] == [0, 1, 2, 3, 1, 2, 1]
     assert entries[1]["chars"] == [len("<image>\nQuestion 1?"), 9, 9, 10]
+    # a file named by its split takes its folder's name as the source where none is given
+    folder = tmp_path / "chartqa"
+    folder.mkdir()
+    pq.write_table(
+        table.drop_columns(["texts"]).append_column(
+            "messages",
+            pa.array(
+                [
+                    [
+                        {"role": "user", "content": "<image>" * len(r) + "Hi?"},
+                        {"role": "assistant", "content": "Hello."},
+                    ]
+                    for r in embedded
+                ]
+            ),
+        ),
+        str(folder / "train-00000-of-00001.parquet"),
+    )
+    records = list(iter_records(str(folder / "train-00000-of-00001.parquet")))
+    assert {r["source"] for r in records} == {"chartqa"}
+    assert [len(r["images"]) for r in records] == [0, 1, 2, 3, 1, 2, 1]
     loader = wdsvlm.Loader(out, TOKENIZER, max_length=512, batch_size=2, tile_size=64)
     assert sum(len(row) for b in loader for row in b["sample_keys"]) > 0
 
@@ -100,15 +121,16 @@ def test_a_row_whose_image_is_not_an_image_is_named_or_skipped_and_listed(tmp_pa
     pq.write_table(table, path, row_group_size=3)
     with pytest.raises(
         BadInputError,
-        match=r"(?s)1 of 7 input.*part.parquet row 4: image part.parquet row group 1 row 1 "
-        r"images\[0\] is not a decodable image",
+        match=r"(?s)1 of 7 input.*/part.parquet row 4: image /\S+/part.parquet row group 1 "
+        r"row 1 images\[0\] is not a decodable image",
     ):
         wdsvlm.write_dataset(path, str(tmp_path / "a"), progress=False)
     assert not os.path.exists(tmp_path / "a" / "index.json")
     summary = wdsvlm.write_dataset(path, str(tmp_path / "b"), skip_bad=True, progress=False)
     assert summary.samples == 6 and summary.skipped == {"unreadable_image": 1}
     listed = [json.loads(line) for line in open(tmp_path / "b" / "skipped.jsonl")]
-    assert [b["where"] for b in listed] == ["part.parquet row 4"]
+    assert [b["where"] for b in listed] == [f"{path} row 4"]  # the whole path: the Hub
+    # reuses file names across configs
 
 
 def test_llava_onevision_parquet_with_a_path_only_image_and_the_same_output_for_any_workers(
@@ -125,7 +147,7 @@ def test_llava_onevision_parquet_with_a_path_only_image_and_the_same_output_for_
         value = "<image>\nWhat is this?" if i != 5 else "No picture here."
         rows.append(
             {
-                "id": f"ov-{i}",
+                "id": f"ov-{i}" if i != 1 else None,  # a null id: made from file and row
                 "image": None if i == 5 else {"bytes": data, "path": "disk.png"},
                 "conversations": [
                     {"from": "human", "value": value},
@@ -148,6 +170,8 @@ def test_llava_onevision_parquet_with_a_path_only_image_and_the_same_output_for_
     formats = {}
     records = list(iter_records(path, image_root=str(root), found=formats))
     assert formats == {path: "llava"}
+    assert [r["id"] for r in records[:2]] == ["ov-0", "ov.parquet:1"]
+    assert {r["source"] for r in records} == {"ov"}  # LLaVA-OneVision's data_source
     assert str(records[2]["images"][0]) == str(root / "disk.png") and "data" in records[0]
 
     outs = []

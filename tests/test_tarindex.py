@@ -361,3 +361,44 @@ def test_wdsvlm_tars_copied_without_their_index_are_indexed_and_read_as_before(t
     args = ["--tokenizer", TOKENIZER, "--max-length", "1024", "--limit", "40", "-q"]
     stats = run_cli("stats", str(folder), *args)
     assert stats.returncode == 0 and "samples" in stats.stdout, stats.stderr
+
+
+def test_a_tar_cut_between_members_or_corrupt_midway_loses_no_sample_silently(tmp_path):
+    """tarfile stops quietly at a cut on a header boundary or at a header that does not parse:
+    the scan still sees that the tar has no end, and says which samples it could not index."""
+    folder = tmp_path / "cut"
+    folder.mkdir()
+
+    def write(name, members):
+        with tarfile.open(folder / name, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for member_name, data in members:
+                member(tar, member_name, data)
+        with tarfile.open(folder / name) as tar:
+            return {i.name: i for i in tar.getmembers()}, (folder / name).read_bytes()
+
+    three = [
+        (f"{k}.{s}", jpeg((20, 20)) if s == "jpg" else b"text")
+        for k in "abc"
+        for s in ("jpg", "txt")
+    ]
+    infos, data = write("cut.tar", three)
+    (folder / "cut.tar").write_bytes(data[: infos["c.txt"].offset])  # c.jpg whole, c.txt gone
+    infos, data = write("corrupt.tar", three)
+    broken = bytearray(data)
+    broken[infos["b.jpg"].offset + 148 : infos["b.jpg"].offset + 156] = b"9999999\0"  # checksum
+    (folder / "corrupt.tar").write_bytes(bytes(broken))
+    write("nosuffix.tar", [("README", b"not a sample"), *three[:2]])
+    summary = index_tars(str(folder), format="captions", skip_bad=True, show_progress=False)
+    listed = [json.loads(line) for line in open(folder / "index-skipped.jsonl")]
+    found = {(b["shard"], b["key"], b["reason"]) for b in listed}
+    assert ("cut.tar", "c", "truncated_tar") in found  # not taken for a caption without text
+    assert ("corrupt.tar", "a", "truncated_tar") in found  # it may lack members after the cut
+    assert any(
+        s == "corrupt.tar" and r == "corrupt_tar" and k.startswith("(from byte ")
+        for s, k, r in found
+    )
+    assert ("nosuffix.tar", "README", "bad_member") in found
+    index = wdsvlm.index.load_index(str(folder))
+    kept = {s["name"]: [e["key"] for e in s["entries"]] for s in index["shards"]}
+    assert kept == {"corrupt.tar": [], "cut.tar": ["a", "b"], "nosuffix.tar": ["a"]}
+    assert summary.samples == 3

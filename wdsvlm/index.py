@@ -241,8 +241,9 @@ def scan_index(urls: list[str], storage_options: Mapping[str, Any] | None = None
             raise ShardFormatError(f"{url}: shard not found") from None
         except (tarfile.TarError, json.JSONDecodeError, UnreadableImage) as e:
             raise ShardFormatError(
-                f"{url}: cannot scan it for an index ({e}); write the dataset with "
-                "`wdsvlm write`, which leaves index.json beside the shards"
+                f"{url}: cannot scan it for an index ({e}); index the tars with "
+                "`wdsvlm index` (captions or conversations layouts too), or write the "
+                "dataset with `wdsvlm write`"
             ) from None
         name = url.rsplit("/", 1)[-1]
         shards.append(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -144,15 +145,20 @@ def _iter_parquet(
     path: str, storage_options=None, groups: Sequence[int] | None = None, first_row: int = 0
 ) -> Iterator[tuple[str, Any, tuple]]:
     """``(where, row as a dict, (path, row group, row in it))`` for each row of a Parquet
-    file (of its row ``groups``, the first of them starting at row ``first_row``), a row
-    group at a time: memory holds one row group, whatever the file's size."""
-    name = os.path.basename(path)
+    file (of its row ``groups``, the first of them starting at row ``first_row``), read
+    ``_BATCH_ROWS`` rows at a time, whatever the file's size."""
     with open_parquet(path, storage_options) as parquet:
         row = first_row
         for group in range(parquet.num_row_groups) if groups is None else groups:
-            for i, raw in enumerate(parquet.read_row_group(group).to_pylist()):
-                yield f"{name} row {row}", raw, (path, group, i)
-                row += 1
+            i = 0  # row in the group
+            for batch in parquet.iter_batches(batch_size=_BATCH_ROWS, row_groups=[group]):
+                for raw in batch.to_pylist():
+                    yield f"{path} row {row}", raw, (path, group, i)
+                    row += 1
+                    i += 1
+
+
+_BATCH_ROWS = 64
 
 
 @contextmanager
@@ -208,27 +214,30 @@ class Embedded:
 
     def __str__(self) -> str:
         item = "" if self.item is None else f"[{self.item}]"
-        name = os.path.basename(self.path)
-        return f"{name} row group {self.group} row {self.row} {self.column}{item}"
+        return f"{self.path} row group {self.group} row {self.row} {self.column}{item}"
 
     def read(self, storage_options: Mapping[str, Any] | None = None) -> bytes:
-        value = _row_group_column(self.path, self.group, self.column, storage_options)[self.row]
+        column = _row_group_column(self.path, self.group, self.column, storage_options)
+        value = column[self.row].as_py()
         if self.item is not None:
             value = value[self.item]
         return bytes(value["bytes"])
 
 
-_groups: OrderedDict[tuple, list] = OrderedDict()  # the last row groups read, per process
+_groups: OrderedDict[tuple, Any] = OrderedDict()  # the last row groups read, per process
 
 
 def _row_group_column(path: str, group: int, column: str, storage_options) -> list:
     key = (path, group, column)
-    if key not in _groups:
-        with open_parquet(path, storage_options) as parquet:
-            _groups[key] = parquet.read_row_group(group, columns=[column])[column].to_pylist()
-        while len(_groups) > 2:
-            _groups.popitem(last=False)
-    return _groups[key]
+    if key in _groups:
+        _groups.move_to_end(key)
+        return _groups[key]
+    with open_parquet(path, storage_options) as parquet:
+        values = parquet.read_row_group(group, columns=[column])[column]
+    _groups[key] = values  # Arrow's buffers: no Python object per image until asked for
+    while len(_groups) > 2:
+        _groups.popitem(last=False)
+    return values
 
 
 def _normalize(
@@ -236,14 +245,18 @@ def _normalize(
 ) -> dict:
     if not isinstance(raw, dict):
         raise InputError(where, "bad_record", f"expected a JSON object, got {type(raw).__name__}")
-    record_id = raw.get("id", f"{name}:{where.rsplit(' ', 1)[-1]}")
-    where = f"{where} (id {record_id!r})" if "id" in raw else where
+    record_id = raw.get("id")
+    if record_id is None:  # a Parquet row has every column, null where it has no id
+        record_id = f"{name}:{where.rsplit(' ', 1)[-1]}"
+    else:
+        record_id = record_id if isinstance(record_id, (str, int)) else str(record_id)
+        where = f"{where} (id {record_id!r})"
     messages, images = _PARSERS[fmt](raw, where)
     source = raw.get("source")
     if not source and fmt == "cauldron":
         texts = raw.get("texts") or [{}]
         source = texts[0].get("source") if isinstance(texts[0], dict) else None
-    source = source or os.path.splitext(name)[0]
+    source = source or raw.get("data_source") or _default_source(name, origin)
     _check_turns(messages, where)
     place_images(messages, len(images), where)
     record = {
@@ -268,6 +281,19 @@ def _normalize(
 
 def _embedded(image: Any) -> bool:
     return isinstance(image, Mapping) and image.get("bytes") is not None
+
+
+_SPLIT_FILE = re.compile(r"(train|test|validation|val|dev)(-\d+-of-\d+)?", re.I)
+
+
+def _default_source(name: str, origin: tuple | None) -> str:
+    """A record's source when it names none: its file's name, or for a Parquet file named
+    by its split (``train-00000-of-00004.parquet``, as the Hub names them) its folder's."""
+    stem = os.path.splitext(name)[0]
+    if origin is not None and _SPLIT_FILE.fullmatch(stem):
+        folder = os.path.basename(os.path.dirname(origin[0].rstrip("/")))
+        return folder or stem
+    return stem
 
 
 def _image_column(raw: Mapping) -> str:

@@ -239,7 +239,12 @@ def resolve_source(
         names = [u.rsplit("/", 1)[-1] for u in urls]
         if all(n in by_name for n in names):
             return {**full, "shards": [by_name[n] for n in names]}, urls
-    log.warning("no index.json lists %s: scanning %d shards to build one", urls[0], len(urls))
+    log.warning(
+        "no index.json lists %s: scanning %d shards to build one in memory (`wdsvlm index` "
+        "writes one once, for tars of any layout)",
+        urls[0],
+        len(urls),
+    )
     return scan_index(urls, storage_options), urls
 
 

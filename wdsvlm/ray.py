@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -60,7 +61,10 @@ class RayEngine:
     """The writer's engine on Ray (see the module): ``checked()`` and ``apply_async``."""
 
     def __init__(self, inputs, opts, image_root, storage_options, formats, address=None):
-        self.inputs, self.opts, self.image_root = inputs, opts, image_root
+        if isinstance(inputs, list):  # tasks may run elsewhere: no path relative to here
+            inputs = [absolute(p) for p in inputs]
+        self.inputs, self.opts, self.image_root = inputs, opts, absolute(image_root)
+        self.pending: set = set()  # tasks handed out and not yet collected
         self.storage_options = dict(storage_options or {})
         self.formats = formats
         self.address = address
@@ -81,8 +85,12 @@ class RayEngine:
         return self
 
     def __exit__(self, *exc):
+        ray = _ray()
+        if exc[0] is not None:  # the driver gave up: no task may go on writing after it
+            for ref in self.pending:
+                ray.cancel(ref, force=True)
         if self.started:
-            _ray().shutdown()
+            ray.shutdown()
         return False
 
     def units(self) -> Iterator[tuple]:
@@ -115,36 +123,59 @@ class RayEngine:
                 first += n
 
     def _dataset_records(self) -> Iterator[dict | InputError]:
+        from ray.data import DataContext
+
         from .inputs import detect_format, normalize
 
         fmt = None if self.opts.format == "auto" else self.opts.format
-        for n, row in enumerate(self.inputs.iter_rows()):
-            if fmt is None:
-                fmt = detect_format(row, "the Ray dataset")
-                self.formats["the Ray dataset"] = fmt
-            yield normalize(dict(row), fmt, f"dataset row {n}", "dataset", self.image_root or ".")
+        options = DataContext.get_current().execution_options
+        kept, options.preserve_order = options.preserve_order, True  # the rows in their order
+        try:
+            for n, row in enumerate(self.inputs.iter_rows()):
+                if fmt is None:
+                    fmt = detect_format(row, "the Ray dataset")
+                    self.formats["the Ray dataset"] = fmt
+                root = self.image_root or "."
+                yield normalize(dict(row), fmt, f"dataset row {n}", "dataset", root)
+        finally:
+            options.preserve_order = kept
 
     def checked(self) -> Iterator[dict | InputError]:
         """Every record checked, in input order, at most two units per CPU in flight."""
-        ray = _ray()
         window: collections.deque = collections.deque()
         for unit in self.units():
-            window.append(self._check.remote(unit, self.storage_options))
+            window.append(self._handed(self._check.remote(unit, self.storage_options)))
             while len(window) >= 2 * self.workers:
-                yield from ray.get(window.popleft())
+                yield from self._collect(window.popleft())
         while window:
-            yield from ray.get(window.popleft())
+            yield from self._collect(window.popleft())
 
     def apply_async(self, fn, args) -> _Pending:
-        return _Pending(self._run.remote(fn, args))
+        return _Pending(self, self._handed(self._run.remote(fn, args)))
+
+    def _handed(self, ref):
+        self.pending.add(ref)
+        return ref
+
+    def _collect(self, ref):
+        result = _ray().get(ref)
+        self.pending.discard(ref)
+        return result
 
 
 class _Pending:
-    def __init__(self, ref):
-        self.ref = ref
+    def __init__(self, engine: RayEngine, ref):
+        self.engine, self.ref = engine, ref
 
     def get(self):
-        return _ray().get(self.ref)
+        return self.engine._collect(self.ref)
+
+
+def absolute(path: str | None) -> str | None:
+    """A local path made absolute (a URL as it is): Ray tasks may run in another folder."""
+    if path is None or "://" in path:
+        return path
+    return os.path.abspath(path)
 
 
 def _chunks(items: Iterator[tuple]) -> Iterator[tuple]:

@@ -35,13 +35,12 @@ from .layouts import LAYOUTS, BadSample, Layout, detect, image_suffixes, split_n
 from .progress import progress
 from .sidecar import pack_entries, sidecar_name
 from .storage import exists, filesystem, join, list_names, publish_bytes, remove
-from .tarball import padded
+from .tarball import BLOCK, padded
 
 log = logging.getLogger("wdsvlm.tarindex")
 
 INDEX_SKIPPED_NAME = "index-skipped.jsonl"
 _DETECT_SAMPLES = 16  # samples of the first tar that ``auto`` looks at
-_TAIL = 1 << 16  # bytes a scan keeps of what it read last
 
 
 class BadSamplesError(WdsvlmError):
@@ -128,10 +127,12 @@ def index_tars(
     folder, urls = tar_urls(source, storage_options)
     output = (output or folder).rstrip("/")
     index_url = join(output, INDEX_NAME)
-    if exists(index_url, storage_options) and not overwrite:
-        raise DatasetExistsError(
-            f"{index_url} exists; pass --overwrite / overwrite=True to index the tars again"
-        )
+    if exists(index_url, storage_options):
+        if not overwrite:
+            raise DatasetExistsError(
+                f"{index_url} exists; pass --overwrite / overwrite=True to index the tars again"
+            )
+        remove(index_url, storage_options)  # its sidecars are rewritten: no reader may pair them
     detected = None
     name = format
     if format == "auto":
@@ -212,23 +213,21 @@ class _HashingReader:
         self.f = f
         self.digest = hashlib.sha256()
         self.count = 0
-        self.tail = b""
+        self.last_nonzero = -1  # the offset of the last byte read that is not zero
 
     def read(self, n: int = -1) -> bytes:
         data = self.f.read(n)
         self.digest.update(data)
+        kept = len(data.rstrip(b"\0"))
+        if kept:
+            self.last_nonzero = self.count + kept - 1
         self.count += len(data)
-        self.tail = (self.tail + data)[-_TAIL:]
         return data
 
     def rest(self) -> None:
         """Read to the end (for the size and the hash)."""
         while self.read(1 << 20):
             pass
-
-    def after(self, offset: int) -> bytes:
-        """The bytes read from ``offset`` on, as far as the kept tail reaches."""
-        return self.tail[max(0, len(self.tail) - (self.count - offset)) :]
 
 
 def _groups(tar: tarfile.TarFile) -> Iterator[tuple[str, int, int, dict[str, bytes], str | None]]:
@@ -282,13 +281,12 @@ def scan_tar(url: str, layout: Layout, storage_options=None) -> dict:
     """Read one tar once: its samples' index entries, its bad samples, bytes and sha256."""
     fs, path = filesystem(url, storage_options)
     shard = url.rsplit("/", 1)[-1]
-    entries: list[dict] = []
-    bad: list[dict] = []
     seen: set[str] = set()
 
-    def refuse(key: str, reason: str, message: str) -> None:
-        bad.append({"shard": shard, "key": key, "reason": reason, "message": message})
+    def bad_sample(key: str, reason: str, message: str) -> dict:
+        return {"shard": shard, "key": key, "reason": reason, "message": message}
 
+    outcomes: list[tuple[str, dict]] = []  # per sample, in order: its entry, or why it is bad
     try:
         with fs.open(path, "rb") as f:
             reader = _HashingReader(f)
@@ -299,27 +297,46 @@ def scan_tar(url: str, layout: Layout, storage_options=None) -> dict:
             cut = False
             for key, start, end, members, trouble in _groups(tar):
                 if trouble is not None:
-                    refuse(key, "truncated_tar", trouble)
+                    outcomes.append(("bad", bad_sample(key, "truncated_tar", trouble)))
                     cut = True
                     break
                 if key in seen:
-                    refuse(key, "duplicate_key", "the key appears twice in the tar")
+                    why = bad_sample(key, "duplicate_key", "the key appears twice in the tar")
+                    outcomes.append(("bad", why))
                     continue
                 seen.add(key)
+                if "" in members:  # the reader could not tell it from another key's
+                    message = f"member {key} has no suffix (webdataset names KEY.SUFFIX)"
+                    outcomes.append(("bad", bad_sample(key, "bad_member", message)))
+                    continue
                 try:
                     entry = _entry(key, members, layout)
                 except BadSample as e:
-                    refuse(key, e.reason, str(e))
+                    outcomes.append(("bad", bad_sample(key, e.reason, str(e))))
                     continue
-                entries.append({**entry, "offset": start, "size": end - start})
+                outcomes.append(("entry", {**entry, "offset": start, "size": end - start}))
             reader.rest()
-            if not cut and any(reader.after(tar.offset)):  # a header cut short at the end
-                refuse("(after the last sample)", "truncated_tar", "the tar ends mid-header")
+            stop = tar.offset  # where tarfile stopped: the end-of-archive blocks, or not
+            if not cut and (reader.count < stop + 2 * BLOCK or reader.last_nonzero >= stop):
+                # no end-of-archive blocks: the tar is cut, or a header there does not parse;
+                # the last sample may lack members that came after
+                if outcomes:
+                    key = outcomes[-1][1]["key"]
+                    message = f"the tar stops at byte {stop} without its end, inside or after it"
+                    outcomes[-1] = ("bad", bad_sample(key, "truncated_tar", message))
+                if reader.last_nonzero >= stop + BLOCK:
+                    message = (
+                        f"{reader.count - stop} bytes from byte {stop} on do not read as tar "
+                        "members (a corrupt header, or tars joined); nothing there is indexed"
+                    )
+                    outcomes.append(
+                        ("bad", bad_sample(f"(from byte {stop})", "corrupt_tar", message))
+                    )
     except FileNotFoundError:
         raise StorageError(f"{url}: tar not found") from None
     return {
-        "entries": entries,
-        "bad": bad,
+        "entries": [o for kind, o in outcomes if kind == "entry"],
+        "bad": [o for kind, o in outcomes if kind == "bad"],
         "bytes": reader.count,
         "sha256": reader.digest.hexdigest(),
     }

@@ -170,8 +170,9 @@ def write_dataset(
     formats: dict[str, str] = {}
     named = ["the Ray dataset"] if dataset is not None else inputs
     if engine == "ray":
-        from .ray import RayEngine
+        from .ray import RayEngine, absolute
 
+        output = absolute(output)  # the tasks write there, wherever they run
         runner = RayEngine(
             dataset if dataset is not None else inputs,
             opts,
