@@ -10,11 +10,12 @@ STAMP := $(VENV)/.wdsvlm-installed
 
 .PHONY: install demo test test-fast lint example clean
 
-$(STAMP): pyproject.toml
+# constraints.txt: the versions the tests last passed with (pip backtracks for minutes without)
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
 install: $(STAMP)

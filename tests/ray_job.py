@@ -84,6 +84,31 @@ def moto():
         proc.wait(timeout=10)
 
 
+@contextlib.contextmanager
+def http_server(folder: str):
+    """Python's http.server on 127.0.0.1 serving ``folder``; yields its URL."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+    proc = subprocess.Popen(args, cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(url, timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def digests(url: str, options=None) -> dict[str, str]:
     import fsspec
 
@@ -126,6 +151,15 @@ def suite(work: str) -> dict:
                 )
                 found["bad-skipped"] = summary.skipped
                 found["bad-listed"] = open(os.path.join(work, "bad", "skipped.jsonl")).read()
+                with http_server(spec["image_root"]) as url:  # images fetched over http
+                    records = [json.loads(line) for line in open(spec["json"])]
+                    path = os.path.join(work, "http.jsonl")
+                    with open(path, "w") as f:
+                        for r in records:
+                            f.write(json.dumps({**r, "image": f"{url}/{r['image']}"}) + "\n")
+                    out = os.path.join(work, "ray-http")
+                    wdsvlm.ray.write_dataset(path, out, progress=False, **spec["options"])
+                    found["ray-http"] = digests(out)
                 with moto() as (bucket, options):
                     wdsvlm.ray.write_dataset(
                         spec["json"],

@@ -130,6 +130,7 @@ def test_ray_writes_the_local_writers_bytes_for_any_number_of_workers(inputs, su
         assert suite[f"ray{cpus}-parquet"] == local["parquet"], cpus
     assert suite["ray-dataset"] == local["json"]  # a ray.data.Dataset of the same records
     assert suite["s3"] == local["json"]  # straight into a bucket
+    assert suite["ray-http"] == local["json"]  # the images fetched over http by the tasks
     assert suite["cli-workers"] == [0, local["json"]]  # --engine ray --workers 2
     assert suite["cli-address"] == [0, local["json"]]  # --ray-address of a running cluster
 
