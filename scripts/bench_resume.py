@@ -25,16 +25,13 @@ import wdsvlm  # noqa: E402
 from wdsvlm import Source  # noqa: E402
 from wdsvlm.elastic import held_places  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_worker_start  # noqa: E402
+
 EXAMPLE = os.path.join(REPO, "shards_example")
 TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
-SETTINGS = {
-    "max_length": 1024,
-    "batch_size": 2,
-    "tile_size": 128,
-    "max_image_side": 256,
-    "tokens_per_tile": 16,
-    "multiprocessing_context": "fork",
-}
+# bench_worker_start's settings (the demo's), workers forked as in one simulated process
+SETTINGS = {**bench_worker_start.SETTINGS, "multiprocessing_context": "fork"}
 
 
 def main() -> None:

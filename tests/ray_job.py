@@ -33,6 +33,10 @@ import wdsvlm  # noqa: E402
 import wdsvlm.ray  # noqa: E402
 from wdsvlm.cli import main as cli  # noqa: E402
 
+from .conftest import _serve  # noqa: E402
+
+serve = contextlib.contextmanager(_serve)  # a server on 127.0.0.1 while in the with block
+
 TEMP_PREFIX = "wdsvlm-ray-"  # Ray's session files go under /tmp/wdsvlm-ray-*, removed after
 
 
@@ -52,61 +56,18 @@ def ray_session(cpus: int):
 @contextlib.contextmanager
 def moto():
     """A moto S3 server on 127.0.0.1 and a bucket; yields ``(s3 URL, storage_options)``."""
-    import socket
-    import urllib.request
-
     import s3fs
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
-    proc = subprocess.Popen(
-        [exe, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(endpoint, timeout=1)
-                break
-            except urllib.error.HTTPError:
-                break
-            except OSError:
-                time.sleep(0.1)
+    with serve([exe, "-H", "127.0.0.1", "-p", "PORT"]) as endpoint:
         options = {"client_kwargs": {"endpoint_url": endpoint}}
         s3fs.S3FileSystem(**options).mkdir("out")
         yield "s3://out", options
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
-@contextlib.contextmanager
 def http_server(folder: str):
     """Python's http.server on 127.0.0.1 serving ``folder``; yields its URL."""
-    import socket
-    import urllib.request
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
-    proc = subprocess.Popen(args, cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(url, timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    return serve([sys.executable, "-m", "http.server", "PORT", "-b", "127.0.0.1", "-d", folder])
 
 
 def digests(url: str, options=None) -> dict[str, str]:

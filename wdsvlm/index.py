@@ -9,13 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tarfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .errors import ShardFormatError
+from .errors import ShardFormatError, StorageError
 from .storage import filesystem, join, read_bytes
-from .tarball import padded
 
 FORMAT = "wdsvlm"
 VERSION = 2  # written; version 1 (every sample's entry in index.json) is still read
@@ -198,61 +196,33 @@ def upgrade_dataset(
 
 
 def scan_index(urls: list[str], storage_options: Mapping[str, Any] | None = None) -> dict:
-    """Build the index of wdsvlm-format shards that have none, by reading them once.
-
-    Every shard is read in full (image sizes come from the image headers), so prefer the
-    ``index.json`` that ``wdsvlm write`` leaves beside the shards; this is for shards copied
-    without it. ``sha256`` is left out (None) of a scanned index.
-    """
-    from .images import IMAGE_MEMBER, UnreadableImage, image_size
+    """Build the index of wdsvlm-format shards that have none, in memory, by reading them
+    once (``tarindex.scan_tar``). ``wdsvlm index`` writes one once, for any layout; this is
+    for shards in wdsvlm's own layout met without it. A bad sample is a ``ShardFormatError``
+    naming the shard and the sample."""
+    from .layouts import Layout
+    from .tarindex import scan_tar
 
     shards = []
     for url in urls:
-        fs, path = filesystem(url, storage_options)
-        entries: list[dict] = []
-        images: dict[int, list[int]] = {}
         try:
-            with fs.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tar:
-                for info in tar:
-                    if not info.isfile():
-                        continue
-                    key, _, suffix = info.name.partition(".")
-                    if not entries or entries[-1]["key"] != key:
-                        images = {}
-                        entries.append(
-                            {
-                                "key": key,
-                                "offset": info.offset,
-                                "size": 0,
-                                "images": [],
-                                "chars": [],
-                            }
-                        )
-                    entry = entries[-1]
-                    entry["size"] = info.offset_data + padded(info.size) - entry["offset"]
-                    data = tar.extractfile(info).read()
-                    if suffix == "json":
-                        messages = json.loads(data).get("messages", [])
-                        entry["chars"] = [len(m.get("content", "")) for m in messages]
-                    elif match := IMAGE_MEMBER.fullmatch(suffix):
-                        images[int(match.group(1))] = list(image_size(data))
-                        entry["images"] = [images[n] for n in sorted(images)]
-        except FileNotFoundError:
-            raise ShardFormatError(f"{url}: shard not found") from None
-        except (tarfile.TarError, json.JSONDecodeError, UnreadableImage) as e:
+            scanned = scan_tar(url, Layout(), storage_options)
+        except StorageError as e:
+            raise ShardFormatError(str(e)) from None
+        if scanned["bad"]:
+            bad = scanned["bad"][0]
             raise ShardFormatError(
-                f"{url}: cannot scan it for an index ({e}); index the tars with "
-                "`wdsvlm index` (captions or conversations layouts too), or write the "
-                "dataset with `wdsvlm write`"
-            ) from None
-        name = url.rsplit("/", 1)[-1]
+                f"{url}: cannot scan it for an index (key {bad['key']}: {bad['reason']}: "
+                f"{bad['message']}); index the tars with `wdsvlm index` (captions or "
+                "conversations layouts too), or write the dataset with `wdsvlm write`"
+            )
         shards.append(
             {
-                "name": name,
-                "samples": len(entries),
-                "bytes": fs.size(path),
-                "sha256": None,
-                "entries": entries,
+                "name": url.rsplit("/", 1)[-1],
+                "samples": len(scanned["entries"]),
+                "bytes": scanned["bytes"],
+                "sha256": scanned["sha256"],
+                "entries": scanned["entries"],
             }
         )
     samples = sum(s["samples"] for s in shards)

@@ -217,11 +217,10 @@ class Embedded:
         return f"{self.path} row group {self.group} row {self.row} {self.column}{item}"
 
     def read(self, storage_options: Mapping[str, Any] | None = None) -> bytes:
-        column = _row_group_column(self.path, self.group, self.column, storage_options)
-        value = column[self.row].as_py()
-        if self.item is not None:
-            value = value[self.item]
-        return bytes(value["bytes"])
+        value = _row_group_column(self.path, self.group, self.column, storage_options)[self.row]
+        if self.item is not None:  # this image of the row's list, not the whole row
+            value = value.values[self.item]
+        return value["bytes"].as_py()
 
 
 _groups: OrderedDict[tuple, Any] = OrderedDict()  # the last row groups read, per process

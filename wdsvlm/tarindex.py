@@ -344,17 +344,15 @@ def scan_tar(url: str, layout: Layout, storage_options=None) -> dict:
 
 def _entry(key: str, members: Mapping[str, bytes], layout: Layout) -> dict:
     """A sample's index entry (without its byte range) from its members."""
+    images = image_suffixes(list(members))
     if layout.native:
-        images = [s for s in image_suffixes(list(members)) if re.fullmatch(r"\d+\..+", s)]
-        if len(images) != len(image_suffixes(list(members))):
+        if any(not re.fullmatch(r"\d+\..+", s) for s in images):
             raise BadSample("bad_layout", "a wdsvlm sample's images are numbered (0.jpg)")
         try:
-            messages = json.loads(members["json"])["messages"]
-            chars = [len(m["content"]) for m in messages]
+            chars = [len(m["content"]) for m in json.loads(members["json"])["messages"]]
         except (KeyError, TypeError, ValueError) as e:
             raise BadSample("invalid_json", f"no wdsvlm json member with messages ({e})") from None
     else:
-        images = image_suffixes(list(members))
         chars = [len(m["content"]) for m in layout.messages(key, members, len(images))]
     sizes = []
     for suffix in images:

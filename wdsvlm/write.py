@@ -370,9 +370,6 @@ def _write_shards(run, checked: Iterator, output: str, opts: WriteOptions, stora
 
     in_flight: list = []
     for plan in plan_shards(good(), opts.samples_per_shard, opts.max_shard_bytes):
-        if getattr(run, "pool", True) is None:  # no processes: write here
-            shards.append(write(plan))
-            continue
         in_flight.append(run.apply_async(write, (plan,)))
         while len(in_flight) >= 2 * opts.workers:
             shards.append(in_flight.pop(0).get())
@@ -389,7 +386,7 @@ def _is_iterable(value: Any) -> bool:
 class _LocalEngine:
     """The writer's work on this machine: checks and shard writes in ``workers`` processes
     (none: in this one). ``checked()`` gives the checked records in input order; writes go
-    through ``apply_async`` (``None`` as the pool: in this process)."""
+    through ``apply_async`` (in this process when there is no pool)."""
 
     def __init__(self, inputs, opts: WriteOptions, image_root, storage_options, formats):
         self.inputs, self.opts, self.image_root = inputs, opts, image_root
@@ -420,7 +417,19 @@ class _LocalEngine:
         return _checked_in_batches(self.pool, check, self.records(), self.workers)
 
     def apply_async(self, fn, args):
+        if self.pool is None:  # no processes: run it here, now
+            return _Done(fn(*args))
         return self.pool.apply_async(fn, args)
+
+
+@dataclass
+class _Done:
+    """A result already there, with ``get`` as a pool's pending result has."""
+
+    value: Any
+
+    def get(self) -> Any:
+        return self.value
 
 
 def _checked_in_batches(pool, check, records: Iterator, workers: int) -> Iterator:
