@@ -34,8 +34,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from wdsvlm.pack import Packer  # noqa: E402
-from wdsvlm.pack import best_fit_decreasing as bfd_packs  # noqa: E402
+from wdsvlm.pipeline.pack import Packer  # noqa: E402
+from wdsvlm.pipeline.pack import best_fit_decreasing as bfd_packs  # noqa: E402
 
 TOKENS_PER_TILE = 64
 MAX_TILES_PER_PACK = 64
@@ -81,8 +81,8 @@ FAMILY_SIZES = {
 def family_mix(n: int, seed: int, family: str) -> list[tuple[int, int]]:
     """``(tokens, vision units)`` per sample: the text of ``realistic_mix``, images of web-like
     sizes counted by the family's code."""
-    from wdsvlm.processors import family_of
-    from wdsvlm.tiny import tiny_processor
+    from wdsvlm.families.processors import family_of
+    from wdsvlm.testing.tiny import tiny_processor
 
     processor = tiny_processor(family, **FAMILY_SIZES[family])
     if family == "smolvlm":
@@ -218,7 +218,7 @@ def print_pass_end(window: int, seed: int, passes: int = 4) -> None:
 def tiles_per_batch_cv(packs, tiles_of, balanced, batch=8):
     """Coefficient of variation of tiles per batch of 8 packs: in pack order, or grouped by
     wdsvlm's BalanceBatches."""
-    from wdsvlm.pack import BalanceBatches, tiles_cv
+    from wdsvlm.pipeline.pack import BalanceBatches, tiles_cv
 
     as_samples = [[{"image_tiles": [tiles_of[i]]} for i in pack] for pack in packs]
     if balanced:

@@ -45,11 +45,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_example  # noqa: E402  (the example's scene drawing and texts)
 
 from wdsvlm import write_dataset  # noqa: E402
-from wdsvlm.bench import naive_samples  # noqa: E402
-from wdsvlm.images import DecodeImages, ImageConfig  # noqa: E402
-from wdsvlm.plan import Plan, WorkerConfig  # noqa: E402
-from wdsvlm.read import ReadSamples  # noqa: E402
-from wdsvlm.tokenize import Tokenize  # noqa: E402
+from wdsvlm.pipeline.images import DecodeImages, ImageConfig  # noqa: E402
+from wdsvlm.pipeline.plan import Plan, WorkerConfig  # noqa: E402
+from wdsvlm.pipeline.read import ReadSamples  # noqa: E402
+from wdsvlm.pipeline.tokenize import Tokenize  # noqa: E402
+from wdsvlm.tools.bench import naive_samples  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "shards_example", "tokenizer")
@@ -130,7 +130,7 @@ def make_mix(mix: str, samples: int, folder: str) -> str:
     return out
 
 
-# --- (a) the naive pipeline (wdsvlm.bench, as `wdsvlm bench` runs it) ----------------------
+# --- (a) the naive pipeline (wdsvlm.tools.bench, as `wdsvlm bench` runs it) ----------------------
 
 
 def run_naive(folder, tokenize):
@@ -155,7 +155,7 @@ def collate_shared(samples):
     memory inside a worker so that it crosses to the training process without a copy."""
     import torch
 
-    from wdsvlm.images import uint8_tiles
+    from wdsvlm.pipeline.images import uint8_tiles
 
     pixels = [s["pixel_values"] for s in samples]
     out = uint8_tiles(sum(len(p) for p in pixels), pixels[0].shape[-1])

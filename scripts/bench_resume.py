@@ -23,7 +23,7 @@ sys.path.insert(0, REPO)
 
 import wdsvlm  # noqa: E402
 from wdsvlm import Source  # noqa: E402
-from wdsvlm.elastic import held_places  # noqa: E402
+from wdsvlm.loader.elastic import held_places  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_worker_start  # noqa: E402

@@ -43,8 +43,8 @@ RANK, WORLD, WORKERS = 7, 64, 8
 
 def make(folder: str, samples: int) -> str:
     """The synthetic dataset of ``samples`` samples under ``folder`` (kept between runs)."""
-    from wdsvlm.index import dumps_index, shard_summary, sidecar_entry
-    from wdsvlm.sidecar import pack_entries, sidecar_name
+    from wdsvlm.format.index import dumps_index, shard_summary, sidecar_entry
+    from wdsvlm.format.sidecar import pack_entries, sidecar_name
 
     out = os.path.join(folder, f"n{samples}")
     if os.path.exists(os.path.join(out, "index.json")):
@@ -147,7 +147,7 @@ def same_shard_share(folder: str) -> dict:
     in the plan's order and after a 1000-sample shuffle buffer; now and before version 2."""
     import random
 
-    from wdsvlm.plan import Plan, WorkerConfig, worker_share
+    from wdsvlm.pipeline.plan import Plan, WorkerConfig, worker_share
 
     plan = Plan(folder, worker_config=WorkerConfig(0, 1, 8))
     now = [sp["shard"] for sp in plan.spans(0, 0) for _ in sp["entries"]]

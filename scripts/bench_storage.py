@@ -66,7 +66,7 @@ def measure_apart(source: str, options: dict, workers: int) -> dict:
 
 def round_trip(url: str, options: dict) -> float:
     """Median seconds of a 1 KB ranged GET."""
-    from wdsvlm.storage import read_range
+    from wdsvlm.storage.fs import read_range
 
     times = []
     for _ in range(20):

@@ -22,7 +22,7 @@ import numpy as np
 from PIL import Image
 
 import wdsvlm
-from wdsvlm.tarindex import index_tars
+from wdsvlm.write.tarindex import index_tars
 
 
 def make_inputs(folder: str, samples: int) -> tuple[str, str]:

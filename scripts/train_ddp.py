@@ -14,7 +14,7 @@ saves the model, the optimizer and its loader state every `--save-every` steps a
 `--resume` goes on from there.
 
 `--model qwen2_5_vl-tiny` (or another family's) trains transformers' own architecture instead,
-tiny and randomly initialised (`wdsvlm.tiny`, built offline), on batches of the Loader made
+tiny and randomly initialised (`wdsvlm.testing.tiny`, built offline), on batches of the Loader made
 with that family's processor: `model(**wdsvlm.model_inputs(batch))`, packed rows isolated by
 their position ids alone.
 """
@@ -142,7 +142,7 @@ def main() -> None:
             TinyVLM(len(loader.tokenizer), image_token, args.tile_size, args.tokens_per_tile)
         )
     else:
-        from wdsvlm.tiny import tiny_model, tiny_processor
+        from wdsvlm.testing.tiny import tiny_model, tiny_processor
 
         family = FAMILY_MODELS[args.model]
         processor = tiny_processor(family)

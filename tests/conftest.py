@@ -158,7 +158,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     import logging
     import traceback
 
-    from wdsvlm.cli import main
+    from wdsvlm.tools.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     handler = logging.StreamHandler(err)

@@ -30,8 +30,8 @@ for name, value in {
 import ray  # noqa: E402
 
 import wdsvlm  # noqa: E402
-import wdsvlm.ray  # noqa: E402
-from wdsvlm.cli import main as cli  # noqa: E402
+import wdsvlm.write.ray_engine  # noqa: E402
+from wdsvlm.tools.cli import main as cli  # noqa: E402
 
 from .conftest import _serve  # noqa: E402
 
@@ -91,7 +91,7 @@ def suite(work: str) -> dict:
         with ray_session(cpus):
             for kind, inputs in (("json", spec["json"]), ("parquet", spec["parquet"])):
                 out = os.path.join(work, f"ray{cpus}-{kind}")
-                wdsvlm.ray.write_dataset(
+                wdsvlm.write.ray_engine.write_dataset(
                     inputs, out, image_root=spec["image_root"], progress=False, **spec["options"]
                 )
                 found[f"ray{cpus}-{kind}"] = digests(out)
@@ -99,15 +99,17 @@ def suite(work: str) -> dict:
                 records = [json.loads(line) for line in open(spec["json"])]
                 out = os.path.join(work, "ray-dataset")
                 data = ray.data.from_items(records, override_num_blocks=3)
-                wdsvlm.ray.write_dataset(
+                wdsvlm.write.ray_engine.write_dataset(
                     data, out, image_root=spec["image_root"], progress=False, **spec["options"]
                 )
                 found["ray-dataset"] = digests(out)
                 try:
-                    wdsvlm.ray.write_dataset(spec["bad"], os.path.join(work, "bad"), progress=False)
+                    wdsvlm.write.ray_engine.write_dataset(
+                        spec["bad"], os.path.join(work, "bad"), progress=False
+                    )
                 except wdsvlm.BadInputError as e:
                     found["bad-error"] = str(e)
-                summary = wdsvlm.ray.write_dataset(
+                summary = wdsvlm.write.ray_engine.write_dataset(
                     spec["bad"], os.path.join(work, "bad"), skip_bad=True, progress=False
                 )
                 found["bad-skipped"] = summary.skipped
@@ -119,10 +121,12 @@ def suite(work: str) -> dict:
                         for r in records:
                             f.write(json.dumps({**r, "image": f"{url}/{r['image']}"}) + "\n")
                     out = os.path.join(work, "ray-http")
-                    wdsvlm.ray.write_dataset(path, out, progress=False, **spec["options"])
+                    wdsvlm.write.ray_engine.write_dataset(
+                        path, out, progress=False, **spec["options"]
+                    )
                     found["ray-http"] = digests(out)
                 with moto() as (bucket, options):
-                    wdsvlm.ray.write_dataset(
+                    wdsvlm.write.ray_engine.write_dataset(
                         spec["json"],
                         f"{bucket}/ds",
                         image_root=spec["image_root"],
@@ -189,7 +193,7 @@ def kill_worker(work: str) -> dict:
     with ray_session(2), moto() as (bucket, options):
         thread = threading.Thread(target=hunt, daemon=True)
         thread.start()
-        summary = wdsvlm.ray.write_dataset(
+        summary = wdsvlm.write.ray_engine.write_dataset(
             spec["json"],
             f"{bucket}/ds",
             image_root=spec["image_root"],

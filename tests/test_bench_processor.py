@@ -11,16 +11,16 @@ import torch
 import webdataset as wds
 
 import wdsvlm
-from wdsvlm.bench_processor import (
+from wdsvlm.pipeline.tokenize import IGNORE_INDEX
+from wdsvlm.testing.tiny import tiny_processor
+from wdsvlm.tools.bench_processor import (
     PUBLISHED,
     AnswerLabels,
     bench_processor,
     pad_outputs,
     processor_samples,
 )
-from wdsvlm.cli import main
-from wdsvlm.tiny import tiny_processor
-from wdsvlm.tokenize import IGNORE_INDEX
+from wdsvlm.tools.cli import main
 
 from .conftest import EXAMPLE
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from wdsvlm.cli import byte_size, main
+from wdsvlm.tools.cli import byte_size, main
 
 from .conftest import EXAMPLE, run_process, write_jsonl
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from wdsvlm.collate import Collate, block_causal_mask, collate_rows, segment_ids
-from wdsvlm.images import ImageConfig
-from wdsvlm.tokenize import IGNORE_INDEX
+from wdsvlm.pipeline.collate import Collate, block_causal_mask, collate_rows, segment_ids
+from wdsvlm.pipeline.images import ImageConfig
+from wdsvlm.pipeline.tokenize import IGNORE_INDEX
 
 IMAGE = 99  # image token id in these tests
 TILE4 = ImageConfig(tile_size=4)

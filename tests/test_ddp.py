@@ -18,8 +18,8 @@ import torch.multiprocessing as mp
 from PIL import Image
 
 import wdsvlm
-from wdsvlm.index import shard_summary, sidecar_entry
-from wdsvlm.sidecar import pack_entries, sidecar_name
+from wdsvlm.format.index import shard_summary, sidecar_entry
+from wdsvlm.format.sidecar import pack_entries, sidecar_name
 
 from .conftest import EXAMPLE, write_jsonl
 

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 import wdsvlm
-from wdsvlm.plan import Plan, WorkerConfig
+from wdsvlm.pipeline.plan import Plan, WorkerConfig
 
 from .test_ddp import SETTINGS, TOKENIZER, ddp, write_uneven
 

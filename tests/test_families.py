@@ -1,7 +1,7 @@
 """Model families through the Loader, proven against transformers' own processors and models.
 
 Each family's tiny processor and randomly initialised model are built offline
-(``wdsvlm.tiny``). A packed batch of ``shards_example`` must hold, for every sample, exactly
+(``wdsvlm.testing.tiny``). A packed batch of ``shards_example`` must hold, for every sample, exactly
 the ``input_ids`` and pixels that the processor makes of that sample alone, and the model must
 give on the sample's tokens of the packed row the logits of the sample run alone.
 """
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import wdsvlm
-import wdsvlm.qwen
-from wdsvlm.images import image_members, open_image
-from wdsvlm.processors import conversation, normalise, pixel_table
-from wdsvlm.tiny import tiny_model, tiny_processor
-from wdsvlm.tokenize import IGNORE_INDEX
+import wdsvlm.families.qwen
+from wdsvlm.families.processors import conversation, normalise, pixel_table
+from wdsvlm.pipeline.images import image_members, open_image
+from wdsvlm.pipeline.tokenize import IGNORE_INDEX
+from wdsvlm.testing.tiny import tiny_model, tiny_processor
 
 from .conftest import EXAMPLE
 
@@ -255,7 +255,7 @@ def test_the_public_stages_take_a_family_and_give_what_the_processor_gives(sampl
         ref = alone(processor, samples[f"{sample['__shard__']}/{sample['__key__']}"])
         assert torch.equal(torch.from_numpy(sample["input_ids"]), ref["input_ids"][0])
         if "pixel_values" in ref:
-            fields = wdsvlm.qwen.QwenFamily.model_fields(
+            fields = wdsvlm.families.qwen.QwenFamily.model_fields(
                 {"temporal_patch_size": 2, "image_grid_thw": None},
                 sample["pixel_values"],
                 normaliser,

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import wdsvlm
-from wdsvlm import sidecar
 from wdsvlm.errors import ShardFormatError
-from wdsvlm.look import pick_entries
+from wdsvlm.format import sidecar
+from wdsvlm.tools.look import pick_entries
 
 from .conftest import EXAMPLE, run_cli
 from .test_ddp import digest

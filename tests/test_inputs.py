@@ -7,7 +7,7 @@ import json
 import pytest
 
 from wdsvlm.errors import InputError
-from wdsvlm.inputs import iter_records
+from wdsvlm.write.inputs import iter_records
 
 from .conftest import write_jsonl
 

@@ -133,7 +133,7 @@ def test_oversized_samples_are_dropped_and_reported():
         f"{s['name']}/{e['key']}"
         for s in index["shards"]
         for e in s["entries"]
-        if sum(wdsvlm.images.tile_count(w, h, config) for w, h in e["images"]) > 4
+        if sum(wdsvlm.pipeline.images.tile_count(w, h, config) for w, h in e["images"]) > 4
     }
     long = too_long(256, **SMALL)
     dropped = many_tiles | long
@@ -231,7 +231,7 @@ def test_a_resume_whose_held_samples_cannot_be_read_again_says_so(tmp_path, mode
         next(batches)
     state = loader.state_dict()
     place = state["workers"][0]["window"]["places"][0]  # a sample the saved window holds
-    span = wdsvlm.plan.Plan(data).locate(place[0], [place[1]])[0]
+    span = wdsvlm.pipeline.plan.Plan(data).locate(place[0], [place[1]])[0]
     shard, key = span["shard"], span["entries"][0]["key"]
     path = os.path.join(data, shard)
     if change == "vanished":
@@ -279,7 +279,7 @@ OTHER_VALUES = {
 
 
 def test_each_setting_that_shapes_batches_changed_alone_is_refused_on_resume_naming_it():
-    from wdsvlm.settings import LoaderSettings, shapes_batches
+    from wdsvlm.loader.settings import LoaderSettings, shapes_batches
 
     shaping = {f for f in LoaderSettings.__dataclass_fields__ if shapes_batches(f)}
     assert shaping == set(OTHER_VALUES), "a batch-shaping setting without a test value"

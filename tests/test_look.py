@@ -19,10 +19,10 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from wdsvlm.bench import naive_samples
-from wdsvlm.images import ImageConfig, tile_count
-from wdsvlm.pictures import BATCH_PICTURE_SIZE, HISTOGRAM_SIZE, SHEET_ROW, SHEET_WIDTH
-from wdsvlm.tokenize import Tokenize
+from wdsvlm.pipeline.images import ImageConfig, tile_count
+from wdsvlm.pipeline.tokenize import Tokenize
+from wdsvlm.tools.bench import naive_samples
+from wdsvlm.tools.pictures import BATCH_PICTURE_SIZE, HISTOGRAM_SIZE, SHEET_ROW, SHEET_WIDTH
 
 from .conftest import EXAMPLE, run_cli
 
@@ -315,7 +315,7 @@ def test_bench_on_one_shard_gives_the_naive_side_one_worker(llava_input, tmp_pat
 
 
 def test_naive_batches_keep_tiles_uint8():
-    from wdsvlm.bench import pad_to_longest
+    from wdsvlm.tools.bench import pad_to_longest
 
     tokenize = Tokenize(TOKENIZER, tokens_per_tile=16, image_config=ImageConfig(128, 256))
     shard = os.path.join(EXAMPLE, sorted(n for n in os.listdir(EXAMPLE) if n.endswith(".tar"))[0])
@@ -329,7 +329,7 @@ def test_naive_batches_keep_tiles_uint8():
 
 
 def test_hub_names_are_not_taken_for_missing_folders(monkeypatch):
-    from wdsvlm.tokenize import load_tokenizer
+    from wdsvlm.pipeline.tokenize import load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError) as error:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wdsvlm.pack import Pack, Packer, best_fill, best_fit_decreasing
+from wdsvlm.pipeline.pack import Pack, Packer, best_fill, best_fit_decreasing
 
 samples_strategy = st.lists(
     st.tuples(st.integers(1, 700), st.integers(0, 12)), min_size=0, max_size=150
@@ -125,7 +125,7 @@ def _tokenized(key, parts, image_token=9, per_tile=2):
 
 
 def test_truncate_cuts_after_the_last_whole_answer_and_drops_later_images():
-    from wdsvlm.pack import truncate_at_answer
+    from wdsvlm.pipeline.pack import truncate_at_answer
 
     sample = _tokenized("k", [("q", 3), ("img", 1), ("a", 4), ("q", 2), ("img", 2), ("a", 5)])
     cut = truncate_at_answer(sample, 14)
@@ -151,7 +151,7 @@ def test_pack_stage_truncates_instead_of_dropping_when_asked():
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 30), max_size=120), st.integers(1, 8))
 def test_balanced_batches_hold_every_pack_once(tiles, batch_size):
-    from wdsvlm.pack import BalanceBatches
+    from wdsvlm.pipeline.pack import BalanceBatches
 
     packs = [[{"id": i, "image_tiles": [t]}] for i, t in enumerate(tiles)]
     batches = list(BalanceBatches(batch_size)(iter(packs)))
@@ -164,7 +164,7 @@ def test_balanced_batches_hold_every_pack_once(tiles, batch_size):
 def test_balanced_batches_even_out_the_vision_load():
     import random
 
-    from wdsvlm.pack import BalanceBatches, tiles_cv
+    from wdsvlm.pipeline.pack import BalanceBatches, tiles_cv
 
     rng = random.Random(0)
     tiles = [rng.choice([0, 0, 1, 3, 5, 10, 20]) for _ in range(800)]
@@ -175,7 +175,7 @@ def test_balanced_batches_even_out_the_vision_load():
 
 
 def test_a_fill_holding_the_largest_sample_is_preferred_when_nearly_as_full():
-    from wdsvlm.pack import best_fill, with_partner
+    from wdsvlm.pipeline.pack import best_fill, with_partner
 
     tokens, tiles = [5, 5, 5, 5, 19], [0] * 5
     best = best_fill(tokens, tiles, 20, 10)

@@ -81,7 +81,7 @@ BLOCK = "import sys; sys.modules.update({m: None for m in ('s3fs', 'gcsfs', 'mat
     "url,extra", [("s3://bucket/ds", "s3"), ("gs://bucket/ds", "gcs")], ids=["s3", "gcs"]
 )
 def test_a_missing_backend_is_one_line_naming_the_install(url, extra):
-    code = BLOCK + f"from wdsvlm.cli import main; sys.exit(main(['verify', {url!r}, '-q']))"
+    code = BLOCK + f"from wdsvlm.tools.cli import main; sys.exit(main(['verify', {url!r}, '-q']))"
     run = run_process([sys.executable, "-c", code], timeout=60)
     assert run.returncode == 1
     assert run.stderr.strip() == (
@@ -103,7 +103,7 @@ def test_parquet_input_and_the_ray_engine_without_their_extras_are_one_line_nami
         (["--input", str(tmp_path / "t.parquet")], "parquet"),
     ):
         out = str(tmp_path / f"out-{extra}")
-        code = block + f"from wdsvlm.cli import main; sys.exit(main(['write', *{args!r}, "
+        code = block + f"from wdsvlm.tools.cli import main; sys.exit(main(['write', *{args!r}, "
         code += f"'--output', {out!r}, '-q']))"
         run = run_process([sys.executable, "-c", code], timeout=60)
         assert run.returncode == 1, run.stderr
@@ -116,7 +116,7 @@ def test_the_core_runs_without_the_extras(tmp_path):
     args = [example, "--tokenizer", os.path.join(example, "tokenizer"), "--max-length", "1024"]
     args += ["--limit", "20", "-q"]
     code = BLOCK + (
-        "from wdsvlm.cli import main; "
+        "from wdsvlm.tools.cli import main; "
         f"print('codes', main(['stats', *{args!r}]), main(['stats', *{args!r}, '--out', "
         f"{str(tmp_path)!r}]))"
     )

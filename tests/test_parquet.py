@@ -17,7 +17,7 @@ from PIL import Image
 
 import wdsvlm
 from wdsvlm.errors import BadInputError
-from wdsvlm.inputs import iter_records
+from wdsvlm.write.inputs import iter_records
 
 from .conftest import EXAMPLE, make_image, run_cli
 
@@ -86,7 +86,7 @@ def test_cauldron_parquet_images_are_written_byte_for_byte(tmp_path):
         for k, data in enumerate(row)
     }
     assert stored == want  # byte-identical to the embedded bytes, never re-encoded
-    index = wdsvlm.index.load_index(out)
+    index = wdsvlm.format.index.load_index(out)
     entries = [e for s in index["shards"] for e in s["entries"]]
     assert [len(e["images"]) for e in entries] == [0, 1, 2, 3, 1, 2, 1]
     assert entries[1]["chars"] == [len("<image>\nQuestion 1?"), 9, 9, 10]

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from wdsvlm.mixture import DataSource, Source, pass_counts
-from wdsvlm.plan import Plan, WorkerConfig, worker_share
+from wdsvlm.pipeline.plan import Plan, WorkerConfig, worker_share
+from wdsvlm.pipeline.sources import DataSource, Source, pass_counts
 
 from .conftest import EXAMPLE
 
@@ -188,7 +188,7 @@ def test_two_ranks_of_three_dataloader_workers_read_seven_shards_once(tmp_path):
     from torch.utils.data import DataLoader
 
     from wdsvlm import write_dataset
-    from wdsvlm.read import ReadSamples
+    from wdsvlm.pipeline.read import ReadSamples
 
     from .conftest import write_jsonl
 

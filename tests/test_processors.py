@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wdsvlm.processors import content_items, normalise, pixel_affine, pixel_table
-from wdsvlm.tiny import tiny_processor
+from wdsvlm.families.processors import content_items, normalise, pixel_affine, pixel_table
+from wdsvlm.testing.tiny import tiny_processor
 
 
 def test_each_marker_becomes_an_image_item_in_place_and_drops_its_newline():

@@ -7,9 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
-from wdsvlm.processors import family_of, normalise, pixel_table
-from wdsvlm.qwen import QwenFamily, mrope_positions
-from wdsvlm.tiny import tiny_processor
+from wdsvlm.families.processors import family_of, normalise, pixel_table
+from wdsvlm.families.qwen import QwenFamily, mrope_positions
+from wdsvlm.testing.tiny import tiny_processor
 
 # tiny, thin, square, extreme aspect ratios, exact multiples, upscales and large ones
 SIZES = [

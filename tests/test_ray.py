@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 import wdsvlm
-from wdsvlm.tarindex import index_tars
+from wdsvlm.write.tarindex import index_tars
 
 from .conftest import run_process, write_jsonl
 from .test_tarindex import SMALL, TOKENIZER, one_pass, tree_digest

@@ -11,13 +11,13 @@ import webdataset as wds
 
 from wdsvlm import load_index, write_dataset
 from wdsvlm.errors import TooManyFailuresError
-from wdsvlm.images import DecodeImages, ImageConfig
-from wdsvlm.index import scan_index
-from wdsvlm.plan import Plan, WorkerConfig
-from wdsvlm.read import ReadSamples
-from wdsvlm.shuffle import Shuffle
-from wdsvlm.stats import SkipStats
-from wdsvlm.tokenize import Tokenize
+from wdsvlm.format.index import scan_index
+from wdsvlm.pipeline.images import DecodeImages, ImageConfig
+from wdsvlm.pipeline.plan import Plan, WorkerConfig
+from wdsvlm.pipeline.read import ReadSamples
+from wdsvlm.pipeline.shuffle import Shuffle
+from wdsvlm.pipeline.stats import SkipStats
+from wdsvlm.pipeline.tokenize import Tokenize
 
 from .conftest import EXAMPLE
 

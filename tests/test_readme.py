@@ -77,7 +77,7 @@ def test_readme_torchrun_loop_trains_and_resumes(tmp_path):
 
 
 def test_readme_processor_example_runs(monkeypatch, capsys):
-    pattern = r"```python\n(import wdsvlm\nfrom wdsvlm.tiny import .*?)```"
+    pattern = r"```python\n(import wdsvlm\nfrom wdsvlm.testing.tiny import .*?)```"
     scope = run_python_example(pattern, monkeypatch)
     (shown,) = readme_blocks(r"print\(batch\[\"position_ids\"\].*?\n# (.*?)\n```")
     assert capsys.readouterr().out.strip() == shown

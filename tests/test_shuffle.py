@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wdsvlm.shuffle import Shuffle, sample_nbytes
+from wdsvlm.pipeline.shuffle import Shuffle, sample_nbytes
 
 
 def big_samples(n, size=1_000_000, epoch=0, worker=0):

@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 from transformers import SmolVLMImageProcessorPil
 
-from wdsvlm.smolvlm import SmolVLMFamily
-from wdsvlm.tiny import tiny_model, tiny_processor
+from wdsvlm.families.smolvlm import SmolVLMFamily
+from wdsvlm.testing.tiny import tiny_model, tiny_processor
 
 # A long edge of 100 px over 32 px tiles: no multiple of the tile, so the processor's float
 # truncations matter (and a 32 px tile, 2x2 patches of 16, is one token: fast).

@@ -15,7 +15,7 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 import wdsvlm
-from wdsvlm.storage import ReadPolicy, is_transient, read_range
+from wdsvlm.storage.fs import ReadPolicy, is_transient, read_range
 
 from .conftest import EXAMPLE, run_cli
 from .faults import FaultProxy
@@ -246,7 +246,7 @@ def test_a_shared_shard_cache_serves_later_epochs_from_disk_within_its_bound(
     proxy.cut = 0.1  # fetching whole shards goes through faults too
     assert batches_of(url, options, **cached) == local_batches
     example = sum(e.stat().st_size for e in os.scandir(EXAMPLE) if e.name.endswith(".tar"))
-    assert wdsvlm.cache.ShardCache(cache).size() == example
+    assert wdsvlm.storage.cache.ShardCache(cache).size() == example
     proxy.faults_off()
     loader = wdsvlm.Loader(url, TOKENIZER, storage_options=options, **cached, **SMALL)
     proxy.status = 503  # the store goes down: a loader sharing the cache needs nothing from it
@@ -259,10 +259,10 @@ def test_a_shared_shard_cache_serves_later_epochs_from_disk_within_its_bound(
     bound = 2 * max(e.stat().st_size for e in os.scandir(EXAMPLE) if e.name.endswith(".tar"))
     bounded = {"cache_dir": small, "cache_bytes": bound}
     assert batches_of(url, options, **bounded) == local_batches
-    assert 0 < wdsvlm.cache.ShardCache(small).size() <= bound
+    assert 0 < wdsvlm.storage.cache.ShardCache(small).size() <= bound
     tiny = {"cache_dir": str(tmp_path / "tiny"), "cache_bytes": 1000}  # no shard fits
     assert batches_of(url, options, **tiny) == local_batches
-    assert wdsvlm.cache.ShardCache(str(tmp_path / "tiny")).size() == 0
+    assert wdsvlm.storage.cache.ShardCache(str(tmp_path / "tiny")).size() == 0
 
 
 def test_worker_processes_fill_one_cache_together(s3_bucket, tmp_path):
@@ -273,7 +273,9 @@ def test_worker_processes_fill_one_cache_together(s3_bucket, tmp_path):
     assert shared == batches_of(EXAMPLE, num_workers=2)
     assert sorted(os.listdir(tmp_path / "cache")) == sorted(
         os.path.basename(
-            wdsvlm.cache.ShardCache(str(tmp_path / "cache")).path(f"{bucket}/example/{name}")
+            wdsvlm.storage.cache.ShardCache(str(tmp_path / "cache")).path(
+                f"{bucket}/example/{name}"
+            )
         )
         for name in os.listdir(EXAMPLE)
         if name.endswith(".tar")
@@ -362,7 +364,7 @@ def test_skip_mode_resumes_past_a_shard_that_went_away(tmp_path):
     assert held, "the state holds samples to read again"
     # the shard of a held sample goes away before the restart
     place = state["workers"][0]["window"]["places"][0]
-    gone = wdsvlm.plan.Plan(data).locate(place[0], [place[1]])[0]["shard"]
+    gone = wdsvlm.pipeline.plan.Plan(data).locate(place[0], [place[1]])[0]["shard"]
     os.remove(os.path.join(data, gone))
     resumed = wdsvlm.Loader(data, TOKENIZER, **options)
     resumed.load_state_dict(state)

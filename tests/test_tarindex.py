@@ -17,8 +17,8 @@ import webdataset as wds
 from PIL import Image
 
 import wdsvlm
-from wdsvlm.layouts import Layout, split_name
-from wdsvlm.tarindex import BadSamplesError, index_tars
+from wdsvlm.format.layouts import Layout, split_name
+from wdsvlm.write.tarindex import BadSamplesError, index_tars
 
 from .conftest import EXAMPLE, make_image, run_cli, write_jsonl
 from .test_ddp import digest
@@ -160,7 +160,7 @@ def test_prompts_are_the_users_and_picked_per_key_by_a_seeded_hash(captions, tmp
     assert set(picks) == set(layout.prompts)  # both used over 20 keys
     assert picks == [Layout("captions", prompts=layout.prompts, seed=7).prompt(k) for k in keys]
     assert picks != [Layout("captions", prompts=layout.prompts, seed=8).prompt(k) for k in keys]
-    samples = wdsvlm.look.inspect_samples(out, keys=[keys[0]])
+    samples = wdsvlm.tools.look.inspect_samples(out, keys=[keys[0]])
     assert samples[0].messages[0]["content"] == "<image>\n" + picks[0]
 
 
@@ -242,7 +242,7 @@ def test_bad_samples_stop_the_index_unless_skipped_and_are_listed(odd_tars):
         ("part-0.tar", "badimage", "unreadable_image"),
         ("part-1.tar", "last", "truncated_tar"),
     }
-    index = wdsvlm.index.load_index(odd_tars)
+    index = wdsvlm.format.index.load_index(odd_tars)
     entries = {e["key"]: e for s in index["shards"] for e in s["entries"]}
     assert sorted(entries) == ["000000005", "cutbody", "later", "shouting", "turned"]
     assert entries["000000005"]["images"] == [[40, 30]]  # the bare jpg, not edited.jpg
@@ -351,8 +351,8 @@ def test_wdsvlm_tars_copied_without_their_index_are_indexed_and_read_as_before(t
     result = run_cli("index", str(folder), "--workers", "2", "-q")
     assert result.returncode == 0, result.stderr
     assert "layout wdsvlm (detected: a json member with wdsvlm's" in result.stdout
-    original = wdsvlm.index.load_index(EXAMPLE)
-    indexed = wdsvlm.index.load_index(str(folder))
+    original = wdsvlm.format.index.load_index(EXAMPLE)
+    indexed = wdsvlm.format.index.load_index(str(folder))
     for a, b in zip(original["shards"], indexed["shards"], strict=True):
         assert (a["name"], a["bytes"], a["sha256"]) == (b["name"], b["bytes"], b["sha256"])
         assert list(a["entries"]) == list(b["entries"])
@@ -398,7 +398,7 @@ def test_a_tar_cut_between_members_or_corrupt_midway_loses_no_sample_silently(tm
         for s, k, r in found
     )
     assert ("nosuffix.tar", "README", "bad_member") in found
-    index = wdsvlm.index.load_index(str(folder))
+    index = wdsvlm.format.index.load_index(str(folder))
     kept = {s["name"]: [e["key"] for e in s["entries"]] for s in index["shards"]}
     assert kept == {"corrupt.tar": [], "cut.tar": ["a", "b"], "nosuffix.tar": ["a"]}
     assert summary.samples == 3

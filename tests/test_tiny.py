@@ -1,5 +1,5 @@
-"""wdsvlm.tiny: each family's tiny processor renders its published chat template, expands image
-placeholders, and feeds a tiny model; packed rows equal the samples run one by one."""
+"""wdsvlm.testing.tiny: each family's tiny processor renders its published chat template, expands
+image placeholders, and feeds a tiny model; packed rows equal the samples run one by one."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from wdsvlm import tiny
-from wdsvlm.tiny import FAMILIES, tiny_model, tiny_processor
+from wdsvlm.testing import tiny
+from wdsvlm.testing.tiny import FAMILIES, tiny_model, tiny_processor
 
 CONVERSATION = [
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from wdsvlm.images import DecodeImages, ImageConfig, tile_count
-from wdsvlm.plan import Plan, WorkerConfig
-from wdsvlm.read import ReadSamples
-from wdsvlm.stats import SkipStats
-from wdsvlm.tokenize import IGNORE_INDEX, Tokenize
+from wdsvlm.pipeline.images import DecodeImages, ImageConfig, tile_count
+from wdsvlm.pipeline.plan import Plan, WorkerConfig
+from wdsvlm.pipeline.read import ReadSamples
+from wdsvlm.pipeline.stats import SkipStats
+from wdsvlm.pipeline.tokenize import IGNORE_INDEX, Tokenize
 
 from .conftest import EXAMPLE
 

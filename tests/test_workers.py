@@ -187,7 +187,7 @@ def test_after_an_error_in_a_worker_the_workers_stop_at_once(tmp_path):
     ids=["guard", "reversed", "and", "in-try", "else-branch", "in-a-function", "top-level"],
 )
 def test_the_main_guard_is_read_from_the_script(tmp_path, source, line, guarded):
-    from wdsvlm.workers import _guarded
+    from wdsvlm.loader.workers import _guarded
 
     script = tmp_path / "train.py"
     script.write_text("import wdsvlm\n\n" + source)

@@ -12,9 +12,9 @@ import pytest
 import webdataset as wds
 
 from wdsvlm import BadInputError, DatasetExistsError, load_index, verify_dataset, write_dataset
-from wdsvlm import write as write_module
-from wdsvlm.sidecar import Entries
-from wdsvlm.storage import filesystem
+from wdsvlm.format.sidecar import Entries
+from wdsvlm.storage.fs import filesystem
+from wdsvlm.write import writer as write_module
 
 from .conftest import decode, make_image, read_image_bytes, write_jsonl
 
@@ -306,7 +306,7 @@ def test_write_to_memory_url_matches_local(llava_input, tmp_path):
 
 
 def test_write_to_s3_on_a_moto_server_matches_local(llava_input, tmp_path, s3_bucket):
-    from wdsvlm.cli import main
+    from wdsvlm.tools.cli import main
 
     path, root, _ = llava_input
     bucket, options = s3_bucket
@@ -331,7 +331,10 @@ def test_the_writer_side_imports_no_torch():
 
     from .conftest import run_process
 
-    code = "import sys, wdsvlm, wdsvlm.write, wdsvlm.cli; assert 'torch' not in sys.modules"
+    code = (
+        "import sys, wdsvlm, wdsvlm.write.writer, wdsvlm.tools.cli; "
+        "assert 'torch' not in sys.modules"
+    )
     run = run_process([sys.executable, "-c", code], timeout=60)
     assert run.returncode == 0, run.stderr
 

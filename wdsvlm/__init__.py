@@ -18,31 +18,31 @@ from .errors import (
     TooManyFailuresError,
     WdsvlmError,
 )
-from .index import load_index, verify_dataset
-from .write import WriteOptions, WriteSummary, write_dataset
+from .format.index import load_index, verify_dataset
+from .write.writer import WriteOptions, WriteSummary, write_dataset
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Plan": "plan",
-    "Source": "mixture",
-    "WorkerConfig": "plan",
-    "ReadSamples": "read",
-    "Shuffle": "shuffle",
-    "DecodeImages": "images",
-    "ImageConfig": "images",
-    "Tokenize": "tokenize",
-    "SkipStats": "stats",
-    "Pack": "pack",
-    "Packer": "pack",
-    "Collate": "collate",
-    "block_causal_mask": "collate",
-    "Loader": "loader",
-    "model_inputs": "processors",
-    "family_of": "processors",
-    "LoaderSettings": "settings",
-    "ReadPolicy": "storage",
-    "ShardCache": "cache",
+    "Plan": "pipeline.plan",
+    "Source": "pipeline.sources",
+    "WorkerConfig": "pipeline.plan",
+    "ReadSamples": "pipeline.read",
+    "Shuffle": "pipeline.shuffle",
+    "DecodeImages": "pipeline.images",
+    "ImageConfig": "pipeline.images",
+    "Tokenize": "pipeline.tokenize",
+    "SkipStats": "pipeline.stats",
+    "Pack": "pipeline.pack",
+    "Packer": "pipeline.pack",
+    "Collate": "pipeline.collate",
+    "block_causal_mask": "pipeline.collate",
+    "Loader": "loader.loader",
+    "model_inputs": "families.processors",
+    "family_of": "families.processors",
+    "LoaderSettings": "loader.settings",
+    "ReadPolicy": "storage.fs",
+    "ShardCache": "storage.cache",
 }
 
 

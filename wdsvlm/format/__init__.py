@@ -1,0 +1,1 @@
+"""The on-disk format: index, sidecars, tar layouts, image headers, conversations (no torch)."""

@@ -1,0 +1,234 @@
+"""The shard format's table of contents: ``index.json``, and the names it gives things.
+
+See README.md ("Shard format") for the layout. The index is what makes exact splitting,
+``len()``, resume and planning possible without reading the data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..errors import ShardFormatError, StorageError
+from ..storage.fs import filesystem, join, read_bytes
+
+FORMAT = "wdsvlm"
+VERSION = 2  # written; version 1 (every sample's entry in index.json) is still read
+READABLE = (1, 2)
+INDEX_NAME = "index.json"
+SKIPPED_NAME = "skipped.jsonl"
+
+
+def shard_name(prefix: str, number: int) -> str:
+    return f"{prefix}-{number:06d}.tar"
+
+
+def sample_key(number: int) -> str:
+    """The tar key of the dataset's ``number``-th sample: digits only, so never a dot in it."""
+    return f"{number:09d}"
+
+
+def dumps_index(index: Mapping[str, Any]) -> bytes:
+    """Canonical bytes of an index: the same index always gives the same bytes."""
+    return (json.dumps(index, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+def load_index(source: str, storage_options: Mapping[str, Any] | None = None, policy=None) -> dict:
+    """Read and check ``index.json`` of the dataset folder or URL prefix ``source``
+    (``policy``: the ``storage.ReadPolicy`` of the read)."""
+    url = join(source, INDEX_NAME)
+    try:
+        data = read_bytes(url, storage_options, policy)
+    except FileNotFoundError:
+        raise ShardFormatError(
+            f"{url} not found: {source} is not a wdsvlm dataset (write one with `wdsvlm write`)"
+        ) from None
+    try:
+        index = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ShardFormatError(f"{url} is not valid JSON: {e}") from None
+    check_index(index, url)
+    if index["version"] >= 2:  # each shard's entries from its sidecar, when first needed
+        from ..format.sidecar import LazyEntries
+
+        for shard in index["shards"]:
+            sidecar = join(source, shard["sidecar"]["name"])
+            shard["entries"] = LazyEntries(
+                sidecar, shard["samples"], storage_options, policy, shard["sidecar"].get("sha256")
+            )
+    return index
+
+
+def shard_url(source: str, index: Mapping[str, Any], shard: Mapping[str, Any]) -> str:
+    """Where a shard of the index of ``source`` lies: beside the index, or under the index's
+    ``shard_root`` (an index made by ``wdsvlm index --output`` for tars elsewhere)."""
+    root = index.get("shard_root")
+    if root is None:
+        return join(source, shard["name"])
+    if "://" not in root and not os.path.isabs(root):
+        root = join(source, root)
+    return join(root, shard["name"])
+
+
+def check_index(index: Any, where: str) -> None:
+    """Raise ``ShardFormatError`` naming ``where`` unless ``index`` has the layout of a
+    version this wdsvlm reads (1: entries in the index; 2: entries in sidecars)."""
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise ShardFormatError(f'{where}: not a wdsvlm index (no "format": "{FORMAT}")')
+    version = index.get("version")
+    if version not in READABLE:
+        raise ShardFormatError(
+            f"{where}: index version {version!r}; this wdsvlm reads versions "
+            f"{', '.join(map(str, READABLE))} (upgrade wdsvlm, or rewrite the dataset)"
+        )
+    shards = index.get("shards")
+    if not isinstance(shards, list):
+        raise ShardFormatError(f"{where}: 'shards' must be a list")
+    needed = {"name", "samples", "bytes", "sha256", "entries" if version == 1 else "sidecar"}
+    for shard in shards:
+        missing = needed - set(shard)
+        if missing:
+            raise ShardFormatError(
+                f"{where}: shard {shard.get('name', '?')} lacks {', '.join(sorted(missing))}"
+            )
+        if version == 1 and len(shard["entries"]) != shard["samples"]:
+            raise ShardFormatError(
+                f"{where}: shard {shard['name']} lists {len(shard['entries'])} entries "
+                f"but says it holds {shard['samples']} samples"
+            )
+
+
+def shard_summary(entries: Sequence[Mapping[str, Any]]) -> dict:
+    """What the root index of version 2 says of a shard's samples besides their number:
+    sums for sizing (images, turns, characters, text-only samples) and the first and last
+    key (so that a key is looked up in the sidecars of the shards that can hold it)."""
+    return {
+        "sums": {
+            "images": sum(len(e.get("images", [])) for e in entries),
+            "text_only": sum(not e.get("images") for e in entries),
+            "turns": sum(len(e.get("chars", [])) for e in entries),
+            "chars": sum(sum(e.get("chars", [])) for e in entries),
+        },
+        "keys": [entries[0]["key"], entries[-1]["key"]] if len(entries) else [],
+    }
+
+
+def sidecar_entry(name: str, data: bytes) -> dict:
+    return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def verify_dataset(source: str, storage_options: Mapping[str, Any] | None = None) -> dict:
+    """Check every shard's size and sha256 against the index; return the index.
+
+    Raises ``ShardFormatError`` naming the first shard that is missing or differs.
+    """
+    index = load_index(source, storage_options)
+    for shard in index["shards"]:
+        _check_file(shard_url(source, index, shard), shard, storage_options, "shard")
+        if index["version"] >= 2:
+            _verify_sidecar(source, shard, storage_options)
+    return index
+
+
+def _check_file(url: str, expected: Mapping[str, Any], storage_options, what: str) -> None:
+    """The file at ``url`` has the ``bytes`` and ``sha256`` the index says, or that is a
+    ``ShardFormatError`` naming it."""
+    size, digest = _digest(url, storage_options, what)
+    if size != expected["bytes"] or digest != expected["sha256"]:
+        raise ShardFormatError(
+            f"{url}: {size} bytes, sha256 {digest[:12]}...; the index says "
+            f"{expected['bytes']} bytes, sha256 {expected['sha256'][:12]}... "
+            "(changed or truncated)"
+        )
+
+
+def _digest(url: str, storage_options, what: str) -> tuple[int, str]:
+    fs, path = filesystem(url, storage_options)
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with fs.open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+                size += len(block)
+    except FileNotFoundError:
+        raise ShardFormatError(f"{url}: {what} listed in the index is missing") from None
+    return size, digest.hexdigest()
+
+
+def _verify_sidecar(source: str, shard: dict, storage_options) -> None:
+    """A version-2 shard's sidecar: its bytes and sha256 as the root index says, its
+    samples as many as the shard's, each inside the shard."""
+    url = join(source, shard["sidecar"]["name"])
+    _check_file(url, shard["sidecar"], storage_options, "sidecar")
+    entries = shard["entries"].loaded()
+    ends = entries.offset + entries.size
+    if len(entries) and (entries.offset.min() < 0 or ends.max() > shard["bytes"]):
+        raise ShardFormatError(f"{url}: a sample lies outside its shard's {shard['bytes']} bytes")
+
+
+def upgrade_dataset(
+    source: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[int, dict]:
+    """Turn the version-1 index of ``source`` into version 2 without touching its tars: each
+    shard's sidecar is written beside it, then ``index.json`` is replaced (last, so a reader
+    sees the old index or the new one). Returns the version found and the index now."""
+    from ..format.sidecar import pack_entries, sidecar_name
+    from ..storage.fs import publish_bytes
+
+    index = load_index(source, storage_options)
+    before = index["version"]
+    if before == VERSION:
+        return before, index
+    shards = []
+    for shard in index["shards"]:
+        entries = shard.pop("entries")
+        data = pack_entries(entries)
+        name = sidecar_name(shard["name"])
+        publish_bytes(data, join(source, name), storage_options)
+        shards.append({**shard, "sidecar": sidecar_entry(name, data), **shard_summary(entries)})
+    upgraded = {**index, "version": VERSION, "shards": shards}
+    publish_bytes(dumps_index(upgraded), join(source, INDEX_NAME), storage_options)
+    return before, load_index(source, storage_options)
+
+
+def scan_index(urls: list[str], storage_options: Mapping[str, Any] | None = None) -> dict:
+    """Build the index of wdsvlm-format shards that have none, in memory, by reading them
+    once (``tarindex.scan_tar``). ``wdsvlm index`` writes one once, for any layout; this is
+    for shards in wdsvlm's own layout met without it. A bad sample is a ``ShardFormatError``
+    naming the shard and the sample."""
+    from ..format.layouts import Layout
+    from ..write.tarindex import scan_tar
+
+    shards = []
+    for url in urls:
+        try:
+            scanned = scan_tar(url, Layout(), storage_options)
+        except StorageError as e:
+            raise ShardFormatError(str(e)) from None
+        if scanned["bad"]:
+            bad = scanned["bad"][0]
+            raise ShardFormatError(
+                f"{url}: cannot scan it for an index (key {bad['key']}: {bad['reason']}: "
+                f"{bad['message']}); index the tars with `wdsvlm index` (captions or "
+                "conversations layouts too), or write the dataset with `wdsvlm write`"
+            )
+        shards.append(
+            {
+                "name": url.rsplit("/", 1)[-1],
+                "samples": len(scanned["entries"]),
+                "bytes": scanned["bytes"],
+                "sha256": scanned["sha256"],
+                "entries": scanned["entries"],
+            }
+        )
+    samples = sum(s["samples"] for s in shards)
+    return {
+        "format": FORMAT,
+        "version": 1,  # in memory: the entries in the index
+        "shards": shards,
+        "totals": {"shards": len(shards), "samples": samples},
+    }

@@ -1,0 +1,231 @@
+"""Sample layouts: how the members of a WebDataset sample make a conversation.
+
+wdsvlm reads three layouts, and an index records which one its shards hold:
+
+- ``wdsvlm``: its own (``KEY.json`` with ``messages``, images ``KEY.0.jpg``, ``KEY.1.png``...).
+- ``captions``: an image member and a text member (``KEY.jpg`` + ``KEY.txt``, as img2dataset
+  writes them). The conversation is user: the image and a prompt, assistant: the caption. The
+  prompt is picked per key from a list by a seeded hash, so the same key always gets it.
+- ``conversations``: a JSON member holding LLaVA-style ``conversations``, Cauldron-style
+  ``texts`` or ``messages`` with roles, with the sample's image members.
+
+Keys and suffixes follow webdataset: a member's key is its path up to the first dot of its
+base name, the rest is its suffix (``000005.edited.jpg``: key ``000005``, suffix
+``edited.jpg``); suffixes match case-insensitively. A sample's images are its one bare image
+suffix (``jpg``, ``png``, ``webp``, ...) or its numbered ones (``0.jpg``, ``1.png``, ...) in
+number order; other members are left alone.
+
+``Layout.convert`` turns a sample's members into wdsvlm's own (``json`` and ``0.jpg``...), which
+is what the reader hands the rest of the pipeline, so every stage reads one layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import InputError
+
+LAYOUTS = ("wdsvlm", "captions", "conversations")
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
+TEXT_SUFFIXES = ("txt", "caption", "text", "cap")
+"""The captions layout's text member: the first of these a sample has."""
+DEFAULT_PROMPTS = (
+    "Describe the image.",
+    "What does this image show?",
+    "Write a short caption for the image.",
+    "Describe this picture briefly.",
+    "What is in this image?",
+)
+"""The captions layout's prompts unless others are given."""
+
+_NUMBERED = re.compile(r"(\d+)\.([A-Za-z0-9]+)")
+
+
+class BadSample(ValueError):
+    """A sample's members do not make a sample of its layout; ``reason`` is a short code."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """``(key, suffix)`` of a tar member name, as webdataset splits it."""
+    folder, _, base = name.rpartition("/")
+    stem, dot, suffix = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), suffix
+
+
+def image_suffixes(suffixes: Sequence[str]) -> list[str]:
+    """The image members of a sample with ``suffixes``, in image order (see the module)."""
+    bare = [s for s in suffixes if s.lower() in IMAGE_EXTENSIONS]
+    numbered = []
+    for s in suffixes:
+        match = _NUMBERED.fullmatch(s)
+        if match and match.group(2).lower() in IMAGE_EXTENSIONS:
+            numbered.append((int(match.group(1)), s))
+    if bare and numbered or len(bare) > 1:
+        raise BadSample(
+            "ambiguous_images",
+            f"image members {sorted(bare + [s for _, s in numbered])}: either one bare image "
+            "suffix (jpg) or numbered ones (0.jpg, 1.jpg)",
+        )
+    numbered.sort()
+    if len({n for n, _ in numbered}) != len(numbered):
+        raise BadSample("ambiguous_images", f"two images share a number: {suffixes}")
+    return bare or [s for _, s in numbered]
+
+
+def image_extension(suffix: str) -> str:
+    ext = suffix.rsplit(".", 1)[-1].lower()
+    return "jpg" if ext == "jpeg" else ext
+
+
+def _find(members: Mapping[str, bytes], names: Sequence[str]) -> str | None:
+    lowered = {s.lower(): s for s in members}
+    return next((lowered[n] for n in names if n in lowered), None)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A sample layout and its settings; ``to_dict`` is what the index records."""
+
+    name: str = "wdsvlm"
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    """captions: the user turn's text, one picked per key."""
+    seed: int = 0
+    """captions: the seed of the per-key pick."""
+    text: tuple[str, ...] = field(default=TEXT_SUFFIXES)
+    """captions: suffixes of the text member, the first found is the caption."""
+
+    def __post_init__(self):
+        if self.name not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {self.name!r}")
+        if not self.prompts or not all(isinstance(p, str) and p.strip() for p in self.prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty strings")
+        object.__setattr__(self, "prompts", tuple(self.prompts))
+        object.__setattr__(self, "text", tuple(t.lower() for t in self.text))
+
+    def to_dict(self) -> dict:
+        if self.name == "captions":
+            return {
+                "name": self.name,
+                "prompts": list(self.prompts),
+                "seed": self.seed,
+                "text": list(self.text),
+            }
+        return {"name": self.name}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Layout:
+        if not d:
+            return cls()
+        return cls(
+            name=d["name"],
+            prompts=tuple(d.get("prompts", DEFAULT_PROMPTS)),
+            seed=int(d.get("seed", 0)),
+            text=tuple(d.get("text", TEXT_SUFFIXES)),
+        )
+
+    @property
+    def native(self) -> bool:
+        return self.name == "wdsvlm"
+
+    def prompt(self, key: str) -> str:
+        """The captions prompt of ``key``: the same for the same key, seed and prompts."""
+        digest = hashlib.blake2b(f"{self.seed}\0{key}".encode(), digest_size=8).digest()
+        return self.prompts[int.from_bytes(digest, "little") % len(self.prompts)]
+
+    def messages(self, key: str, members: Mapping[str, bytes], n_images: int) -> list[dict]:
+        """The sample's conversation, ``<image>`` markers in place; ``BadSample`` if there
+        is none."""
+        from ..write.inputs import conversation_of, place_images
+
+        if self.name == "captions":
+            found = _find(members, self.text)
+            if found is None:
+                raise BadSample(
+                    "missing_text",
+                    f"no caption member ({' or '.join(self.text)}) beside {sorted(members)}",
+                )
+            caption = _text(members[found], found).strip()
+            if not caption:
+                raise BadSample("missing_text", f"its {found} member is empty")
+            if not n_images:
+                raise BadSample("missing_image", f"no image member among {sorted(members)}")
+            prompt = "<image>" * n_images + "\n" + self.prompt(key)
+            return [{"role": "user", "content": prompt}, {"role": "assistant", "content": caption}]
+        found = _find(members, ("json",))
+        if found is None:
+            raise BadSample("missing_json", f"no json member among {sorted(members)}")
+        try:
+            doc = json.loads(_text(members[found], found))
+        except json.JSONDecodeError as e:
+            raise BadSample("invalid_json", f"its json member is not JSON: {e}") from None
+        try:
+            messages = conversation_of(doc, key)
+            place_images(messages, n_images, key)
+        except InputError as e:
+            raise BadSample(e.reason, e.message) from None
+        return messages
+
+    def convert(self, key: str, members: Mapping[str, bytes]) -> dict[str, bytes]:
+        """wdsvlm's own members (``json``, ``0.jpg``...) for a sample of this layout, given
+        its members by suffix; ``BadSample`` if they do not make one."""
+        if self.native:
+            return dict(members)
+        images = image_suffixes(list(members))
+        messages = self.messages(key, members, len(images))
+        out = {"json": canonical_json(key, messages)}
+        for n, suffix in enumerate(images):
+            out[f"{n}.{image_extension(suffix)}"] = members[suffix]
+        return out
+
+
+def canonical_json(key: str, messages: list[dict], source: str = "") -> bytes:
+    doc = {"id": key, "source": source, "messages": messages}
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _text(data: bytes, suffix: str) -> str:
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise BadSample("invalid_text", f"its {suffix} member is not UTF-8: {e}") from None
+
+
+def detect(samples: Sequence[Mapping[str, bytes]]) -> tuple[str, str]:
+    """The layout of samples given by their members (suffix -> bytes), and why: what was
+    found in them. Raises ``ValueError`` when no layout fits."""
+    for members in samples:
+        lowered = {s.lower() for s in members}
+        try:
+            images = image_suffixes(list(members))
+        except BadSample:
+            continue
+        text = next((t for t in TEXT_SUFFIXES if t in lowered), None)
+        if "json" in lowered:
+            try:
+                doc = json.loads(members[_find(members, ("json",))])
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                doc = None
+            if isinstance(doc, dict):
+                if "messages" in doc and "id" in doc and "source" in doc:
+                    numbered = all(_NUMBERED.fullmatch(s) for s in images)
+                    if numbered:
+                        return "wdsvlm", "a json member with wdsvlm's id/source/messages"
+                for field_ in ("conversations", "texts", "messages"):
+                    if field_ in doc:
+                        return "conversations", f"a json member with '{field_}'"
+        if text and images:
+            return "captions", f"an image member ({images[0]}) and a text member ({text})"
+    raise ValueError(
+        "cannot tell the layout of these samples: no json member with 'conversations', "
+        "'texts' or 'messages', and no image member beside a text member "
+        f"({'/'.join(TEXT_SUFFIXES)}); pass --format"
+    )

@@ -1,0 +1,174 @@
+"""Per-shard sample metadata beside each shard (index version 2): ``NAME.idx``.
+
+The root ``index.json`` of a version-2 dataset has one entry per shard; what each sample
+needs (its key, byte offset and size in the tar, image sizes, characters per turn) lives in
+the shard's sidecar, read only by whoever reads that shard.
+
+A sidecar is a numpy ``.npz`` archive (uncompressed) of flat arrays: ``offset``, ``size``
+(int64, per sample), ``key_end`` (int64, per sample, into ``key_bytes``: the keys' UTF-8
+bytes back to back), ``image_count`` (int32, per sample) with ``image_size`` (int32
+``[images, 2]``: width, height), ``turn_count`` (int32, per sample) with ``chars`` (int32, per
+turn). It loads in one read and maps into numpy without a Python object per sample; numpy
+is already a dependency, and any language with a zip and ``.npy`` reader can read it. A 1000-sample
+shard's sidecar is about 40 kB. ``Entries`` gives the samples as the index entries of version
+1 (``{"key", "offset", "size", "images", "chars"}``), made when asked for.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import ShardFormatError
+
+SIDECAR_SUFFIX = ".idx"
+_ARRAYS = ("offset", "size", "key_bytes", "key_end", "image_count", "image_size", "turn_count")
+_CACHED = 256  # sidecars kept per process (least recently used out first)
+
+
+def sidecar_name(shard_name: str) -> str:
+    """``data-000000.tar`` -> ``data-000000.idx``."""
+    stem = shard_name[: -len(".tar")] if shard_name.endswith(".tar") else shard_name
+    return stem + SIDECAR_SUFFIX
+
+
+def pack_entries(entries: Sequence[Mapping[str, Any]]) -> bytes:
+    """The sidecar bytes of a shard's index entries (version-1 form)."""
+    keys = [e["key"].encode("utf-8") for e in entries]
+    images = [size for e in entries for size in e.get("images", [])]
+    chars = [c for e in entries for c in e.get("chars", [])]
+    arrays = {
+        "offset": np.asarray([e["offset"] for e in entries], dtype=np.int64),
+        "size": np.asarray([e["size"] for e in entries], dtype=np.int64),
+        "key_bytes": np.frombuffer(b"".join(keys), dtype=np.uint8),
+        "key_end": np.cumsum([len(k) for k in keys], dtype=np.int64),
+        "image_count": np.asarray([len(e.get("images", [])) for e in entries], dtype=np.int32),
+        "image_size": np.asarray(images, dtype=np.int32).reshape(-1, 2),
+        "turn_count": np.asarray([len(e.get("chars", [])) for e in entries], dtype=np.int32),
+        "chars": np.asarray(chars, dtype=np.int32),
+    }
+    out = io.BytesIO()
+    np.savez(out, **arrays)
+    return out.getvalue()
+
+
+class Entries(Sequence):
+    """A shard's samples from its sidecar: ``entries[i]`` is the index entry of sample ``i``
+    (made when asked for), the arrays are ``offset``, ``size``, ... as stored."""
+
+    def __init__(self, data: bytes, where: str):
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+                arrays = {name: archive[name] for name in (*_ARRAYS, "chars")}
+        except Exception as e:  # noqa: BLE001 - any damage: named with the file
+            raise ShardFormatError(f"{where}: not a readable wdsvlm sidecar ({e})") from None
+        n = len(arrays["offset"])
+        for name in ("size", "key_end", "image_count", "turn_count"):
+            if len(arrays[name]) != n:
+                raise ShardFormatError(
+                    f"{where}: its {name} has {len(arrays[name])} of {n} samples"
+                )
+        if arrays["image_count"].sum() != len(arrays["image_size"]) or arrays[
+            "turn_count"
+        ].sum() != len(arrays["chars"]):
+            raise ShardFormatError(f"{where}: its image or turn counts do not add up")
+        self.where = where
+        self.offset, self.size = arrays["offset"], arrays["size"]
+        self.image_count, self.image_size = arrays["image_count"], arrays["image_size"]
+        self.turn_count, self.chars = arrays["turn_count"], arrays["chars"]
+        self._key_bytes = arrays["key_bytes"].tobytes()
+        self._key_end = arrays["key_end"]
+        self._image_start = np.concatenate([[0], np.cumsum(self.image_count)])
+        self._turn_start = np.concatenate([[0], np.cumsum(self.turn_count)])
+
+    def __len__(self) -> int:
+        return len(self.offset)
+
+    def key(self, i: int) -> str:
+        start = int(self._key_end[i - 1]) if i else 0
+        return self._key_bytes[start : int(self._key_end[i])].decode("utf-8")
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} of a shard of {len(self)}")
+        a, b = int(self._image_start[i]), int(self._image_start[i + 1])
+        c, d = int(self._turn_start[i]), int(self._turn_start[i + 1])
+        return {
+            "key": self.key(i),
+            "offset": int(self.offset[i]),
+            "size": int(self.size[i]),
+            "images": self.image_size[a:b].tolist(),
+            "chars": self.chars[c:d].tolist(),
+        }
+
+    def __iter__(self) -> Iterator[dict]:
+        return (self[i] for i in range(len(self)))
+
+
+_cache: OrderedDict[tuple, Entries] = OrderedDict()  # (url, sha256) -> entries
+_cache_lock = threading.Lock()
+
+
+class LazyEntries(Sequence):
+    """A version-2 shard's entries, read from its sidecar when first asked for (then kept in
+    a per-process cache of the last ``_CACHED`` sidecars). Its length is the root index's
+    sample count, known without reading; a pickled copy carries the address, not the data."""
+
+    def __init__(
+        self,
+        url: str,
+        samples: int,
+        storage_options: Mapping[str, Any] | None = None,
+        policy: Any = None,
+        sha256: str | None = None,
+    ):
+        self.url = url
+        self.samples = samples
+        self.sha256 = sha256  # with the URL, the cache key: a rewritten dataset is read anew
+        self.storage_options = dict(storage_options or {})
+        self.policy = policy
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def loaded(self) -> Entries:
+        key = (self.url, self.sha256)
+        with _cache_lock:
+            entries = _cache.get(key)
+            if entries is not None:
+                _cache.move_to_end(key)
+                return entries
+        from ..storage.fs import read_bytes
+
+        try:
+            data = read_bytes(self.url, self.storage_options, self.policy)
+        except FileNotFoundError:
+            raise ShardFormatError(
+                f"{self.url}: the shard's sidecar is missing (index version 2 keeps each "
+                "shard's sample offsets there)"
+            ) from None
+        entries = Entries(data, self.url)
+        if len(entries) != self.samples:
+            raise ShardFormatError(
+                f"{self.url}: {len(entries)} samples, but the index says {self.samples}"
+            )
+        with _cache_lock:
+            _cache[key] = entries
+            while len(_cache) > _CACHED:
+                _cache.popitem(last=False)
+        return entries
+
+    def __getitem__(self, i):
+        return self.loaded()[i]
+
+    def __iter__(self) -> Iterator[dict]:
+        return iter(self.loaded())

@@ -1,0 +1,1 @@
+"""The Loader: settings, the per-worker stream and its state, resume, sizing, workers."""

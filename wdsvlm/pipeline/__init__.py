@@ -1,0 +1,1 @@
+"""The pipeline stages: sources, plan, read, shuffle, images, tokenize, pack, collate."""

@@ -1,0 +1,173 @@
+"""Collate: packs in, fixed-shape batches out (the batch format of DESIGN.md), and the
+attention helpers that keep packed samples apart.
+
+A batch always has ``batch_size`` rows of ``max_length`` tokens, so a compiled model never
+recompiles; rows without a pack (at the very end of a pass) are all padding. Images that were
+not decoded yet are decoded here, straight into the batch's one uint8 tensor (in shared memory
+inside a DataLoader worker, so it crosses to the training process without a copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..families.processors import decode_units, pixel_affine, pixel_table
+from ..pipeline.images import ImageConfig, UnreadableImage, decode_into, uint8_tiles
+from ..pipeline.stats import SkipStats
+from ..pipeline.tokenize import IGNORE_INDEX
+
+
+class Collate:
+    """Batch maker: a list of up to ``batch_size`` packs -> a dict of tensors.
+
+    Each pack is a list of tokenized samples (``input_ids``, ``labels``, ``image_tiles``, and
+    ``pixel_values`` or image members still to decode). A sample whose image fails to decode
+    here is left out of its row (counted as ``undecodable_image``); the row pads instead.
+
+    With a model ``family`` (see ``processors.py``) images become the family's uint8 units
+    and the batch gets the family's fields: its name (``family``), the pixel table that
+    ``model_inputs`` normalises with, and for the Qwen family ``image_grid_thw`` and
+    ``position_ids`` ``[4, B, L]``.
+    """
+
+    def __init__(
+        self,
+        max_length: int,
+        batch_size: int,
+        pad_token_id: int,
+        *,
+        image_config: ImageConfig | None = None,
+        family: Any = None,
+        stats: SkipStats | None = None,
+    ):
+        self.family = family
+        self._table = None if family is None else pixel_table(family.image_processor)
+        self._affine = None if family is None else pixel_affine(family.image_processor)
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.pad_token_id = pad_token_id
+        self.image_config = image_config or ImageConfig()
+        self.stats = stats if stats is not None else SkipStats()
+
+    def __call__(self, packs: Sequence[list[dict]]) -> dict[str, Any]:
+        if len(packs) > self.batch_size:
+            raise ValueError(f"{len(packs)} packs for a batch of {self.batch_size}")
+        rows = [list(pack) for pack in packs] + [[]] * (self.batch_size - len(packs))
+        samples = [s for row in rows for s in row]
+        counts = [sum(s["image_tiles"]) for s in samples]
+        side = self.image_config.tile_size if self.family is None else self.family.unit_size
+        pixels = uint8_tiles(sum(counts), side)
+        failed, start = [], 0
+        for sample, n in zip(samples, counts, strict=True):
+            if n:
+                try:
+                    self._fill(sample, pixels[start : start + n])
+                except UnreadableImage as e:
+                    self.stats.skip("collate", "undecodable_image", sample, str(e))
+                    failed.append((sample, start, n))
+            start += n
+        if failed:  # rare: leave the failed samples out, their rows pad instead
+            pixels = _without(pixels, [(a, n) for _, a, n in failed])
+            gone = {id(s) for s, _, _ in failed}
+            rows = [[s for s in row if id(s) not in gone] for row in rows]
+        batch = collate_rows(rows, self.max_length, self.pad_token_id, pixels)
+        family = self.family
+        if family is not None:
+            batch["family"] = family.name
+            batch["pixel_table"] = self._table
+            batch["pixel_affine"] = self._affine
+            batch.update(family.batch_fields(rows, batch))
+        return batch
+
+    def _fill(self, sample: dict, out: torch.Tensor) -> None:
+        if "pixel_values" in sample:
+            out.copy_(torch.as_tensor(sample["pixel_values"]))
+        elif self.family is not None:
+            decode_units(sample, self.family, out)
+        else:  # decoded straight into the batch's tensor
+            decode_into(sample, self.image_config, out)
+
+
+def _without(pixels: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    keep = torch.ones(len(pixels), dtype=torch.bool)
+    for start, n in ranges:
+        keep[start : start + n] = False
+    out = uint8_tiles(int(keep.sum()), pixels.shape[-1])
+    out.copy_(pixels[keep])
+    return out
+
+
+def collate_rows(
+    rows: list[list[dict]], max_length: int, pad_token_id: int, pixels: torch.Tensor
+) -> dict[str, Any]:
+    """The batch tensors for ``rows`` (each a list of samples, in pack order); ``pixels``
+    holds their tiles already, in the same order."""
+    b = len(rows)
+    input_ids = np.full((b, max_length), pad_token_id, dtype=np.int64)
+    labels = np.full((b, max_length), IGNORE_INDEX, dtype=np.int64)
+    attention = np.zeros((b, max_length), dtype=np.int64)
+    positions = np.zeros((b, max_length), dtype=np.int64)
+    segments = []
+    for r, row in enumerate(rows):
+        at = 0
+        for sample in row:
+            n = len(sample["input_ids"])
+            if at + n > max_length:
+                raise ValueError(f"a pack of {at + n} tokens does not fit max_length={max_length}")
+            input_ids[r, at : at + n] = sample["input_ids"]
+            labels[r, at : at + n] = sample["labels"]
+            attention[r, at : at + n] = 1
+            positions[r, at : at + n] = np.arange(n)
+            segments.append(n)
+            at += n
+        if at < max_length:  # padding: a segment of its own, positions from 0
+            positions[r, at:] = np.arange(max_length - at)
+            segments.append(max_length - at)
+    samples = [s for row in rows for s in row]
+    tiles = [t for s in samples for t in s["image_tiles"]]
+    if sum(tiles) != len(pixels):
+        raise ValueError(f"{len(pixels)} tiles for {sum(tiles)} in the samples' image_tiles")
+    labels_t = torch.from_numpy(labels)
+    batch = {
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(attention),
+        "labels": labels_t,
+        "position_ids": torch.from_numpy(positions),
+        "cu_seqlens": torch.from_numpy(np.cumsum([0, *segments], dtype=np.int32)),
+        "max_seqlen": max(segments),
+        "pixel_values": pixels,
+        "image_tiles": torch.tensor(tiles, dtype=torch.long),
+        "num_loss_tokens": (labels_t != IGNORE_INDEX).sum(),
+        "sample_keys": [
+            [f"{s.get('__shard__', '?')}/{s.get('__key__', '?')}" for s in row] for row in rows
+        ],
+        "sample_passes": [[s.get("__pass__", 0) for s in row] for row in rows],
+    }
+    if any("__source__" in s for s in samples):  # a mixture: which source each sample is of
+        batch["sample_sources"] = [[s.get("__source__") for s in row] for row in rows]
+    return batch
+
+
+def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Per token, the number of its packed segment in its row (a new one where positions
+    restart at 0); padding, which restarts too, is a segment of its own."""
+    return torch.cumsum((position_ids == 0).long(), dim=-1)
+
+
+def block_causal_mask(
+    position_ids: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The 4-D additive mask ``[B, 1, L, L]`` for eager/SDPA attention over packed rows: a
+    token sees the earlier tokens of its own sample only (0 where allowed, the dtype's lowest
+    value elsewhere). Pass it as ``attention_mask`` together with ``position_ids``."""
+    seg = segment_ids(position_ids)
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = (seg[:, :, None] == seg[:, None, :]) & causal
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]

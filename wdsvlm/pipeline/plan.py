@@ -1,0 +1,462 @@
+"""Plan: which samples one global worker reads in a pass over the data, and in which order.
+
+Everything follows from explicit inputs. ``(sources, seed, pass)`` decide the pass's global
+order (``PassOrder``): which samples the pass holds (every source's share, see
+``mixture.py``) and in which order, the same on every topology. The worker's place
+``rank * num_workers + worker_id`` among ``world_size * num_workers`` global workers decides
+its share: a contiguous block of that order, read in order. The split is by samples, so any
+shard count works with any worker count, and a sample's place ``[pass, place]`` means the same
+sample on any topology: that is what lets a checkpoint resume on another one.
+
+The order is built from chunks: runs of neighbouring samples of a shard of about
+``span_bytes`` (from the shard's sample count and bytes), visited in seeded random order, the
+samples of each visit in seeded random order. A worker reads each visit with one ranged
+read (a few, where it takes only a sparse part of it), so the I/O is large ranged reads and
+the memory held is one span.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torch.utils.data import IterableDataset
+
+from ..errors import ShardFormatError, StorageError
+from ..pipeline.sources import DataSource, resolve_sources
+
+log = logging.getLogger("wdsvlm.plan")
+
+# A span whose bytes are at most this is read in one go, however sparse its samples.
+_DENSE_ENOUGH = 2**20
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Where this process stands among the data-loading processes of a training job."""
+
+    rank: int = 0
+    """This process's rank among ``world_size`` training processes."""
+    world_size: int = 1
+    """Number of training processes."""
+    num_workers: int = 0
+    """DataLoader workers per rank; 0 means the rank loads data itself (one worker slot)."""
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, not {self.num_workers}")
+
+    @classmethod
+    def from_environment(cls, num_workers: int = 0) -> WorkerConfig:
+        """rank and world size from ``torch.distributed`` when it is initialized, else from
+        the ``RANK`` / ``WORLD_SIZE`` variables torchrun sets, else 0 and 1."""
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                return cls(dist.get_rank(), dist.get_world_size(), num_workers)
+        except ImportError:  # torch is a dependency, but planning does not need it
+            pass
+        rank = int(os.environ.get("RANK", 0))
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        return cls(rank, world_size, num_workers)
+
+    @property
+    def workers_per_rank(self) -> int:
+        return max(1, self.num_workers)
+
+    @property
+    def global_workers(self) -> int:
+        return self.world_size * self.workers_per_rank
+
+    def global_worker(self, worker_id: int) -> int:
+        return self.rank * self.workers_per_rank + worker_id
+
+
+def current_worker_id(config: WorkerConfig) -> int:
+    """The DataLoader worker this code runs in (0 outside workers), checked against config."""
+    try:
+        from torch.utils.data import get_worker_info
+    except ImportError:
+        return 0
+    info = get_worker_info()
+    if info is None:
+        return 0
+    if info.num_workers != config.workers_per_rank:
+        raise ValueError(
+            f"the DataLoader has {info.num_workers} workers but the plan was made for "
+            f"{config.workers_per_rank}: pass num_workers={info.num_workers} to the plan"
+        )
+    return info.id
+
+
+def worker_share(total: int, global_worker: int, global_workers: int) -> tuple[int, int]:
+    """``[start, stop)`` of one global worker's contiguous block: sizes differ by at most one."""
+    base, extra = divmod(total, global_workers)
+    start = global_worker * base + min(global_worker, extra)
+    return start, start + base + (global_worker < extra)
+
+
+def _rng(*parts: Any) -> np.random.Generator:
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:16], "little"))
+
+
+def span(
+    url: str,
+    shard: str,
+    entries: Sequence[dict],
+    *,
+    positions: Sequence[int] | None = None,
+    pass_: int = 0,
+    worker: int = 0,
+    source: str | None = None,
+    shard_bytes: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    layout: Mapping[str, Any] | None = None,
+) -> dict:
+    """One ranged read of shard ``url`` (shown as ``shard``), as ``ReadSamples`` takes it: the
+    bytes from the first of ``entries`` (index entries) to the end of the last, its samples
+    listed in reading order, with their ``positions`` (places), pass, worker and source, and
+    the shard's sample ``layout`` (``layouts.Layout.to_dict``) where it is not wdsvlm's own."""
+    out = {
+        "url": url,
+        "shard": shard,
+        "start": min(e["offset"] for e in entries),
+        "stop": max(e["offset"] + e["size"] for e in entries),
+        "entries": list(entries),
+        "positions": None if positions is None else list(positions),
+        "pass": pass_,
+        "worker": worker,
+        "source": source,
+        "storage_options": storage_options,
+    }
+    if shard_bytes is not None:  # a shard cache keeps whole shards of this size
+        out["shard_bytes"] = shard_bytes
+    if layout and layout.get("name", "wdsvlm") != "wdsvlm":
+        out["layout"] = dict(layout)
+    return out
+
+
+def _joins(start: int, stop: int, used: int, entry: dict, limit: int) -> bool:
+    """Whether ``entry`` joins the read ``[start, stop)`` holding ``used`` bytes of samples:
+    while the read stays within ``limit`` bytes and the samples fill at least a quarter of
+    it, or it is at most 1 MB."""
+    lo, hi = min(start, entry["offset"]), max(stop, entry["offset"] + entry["size"])
+    if hi - lo <= _DENSE_ENOUGH:
+        return True
+    return hi - lo <= limit and (used + entry["size"]) * 4 >= hi - lo
+
+
+class PassOrder:
+    """The global order of one pass: every sample the pass holds, all sources together, as
+    ``(source, shard, entry)`` at places ``0 .. size - 1``. A pure function of the sources,
+    the seed and the pass, never of the topology, computed from per-shard counts alone: its
+    memory and time grow with the number of chunks, never with the number of samples.
+
+    It is built from chunks: runs of about ``span_bytes`` of neighbouring samples of a shard
+    (from the shard's sample count and bytes), each read with one ranged read. A pass visits
+    each chunk of a source ``copies`` times, and the source's ``extra`` samples of this pass
+    once more: a window of ``extra`` samples of the source in a seeded rotation order of its
+    chunks (fixed for the source), moved on by ``extra`` each pass, so that successive passes
+    rotate through the whole source; each chunk it touches is one more visit. The visits are
+    shuffled; the samples inside a visit are in a seeded order of their own, generated when
+    the visit is read (``entries_of``).
+    """
+
+    def __init__(self, sources: Sequence[DataSource], seed: int, pass_: int, span_bytes: int):
+        parts = []  # (source, shard, first entry, stop) arrays
+        for number, source in enumerate(sources):
+            shard, first, stop = _chunks(source, span_bytes)
+            for _ in range(source.copies):
+                parts.append((np.full(len(shard), number), shard, first, stop))
+            if source.extra:
+                extra = _extra_visits(source, number, seed, pass_, shard, first, stop)
+                parts.append((np.full(len(extra[0]), number), *extra))
+        columns = [np.concatenate([p[i] for p in parts]) for i in range(4)] if parts else None
+        if columns is None:
+            columns = [np.zeros(0, dtype=np.int64)] * 4
+        order = _rng("wdsvlm-pass", seed, pass_).permutation(len(columns[0]))
+        self.visit_source, self.visit_shard, self.first, self.stop = (
+            c.astype(np.int64)[order] for c in columns
+        )
+        self.starts = np.concatenate([[0], np.cumsum(self.stop - self.first)])
+        self.size = int(self.starts[-1])
+        self._seed, self._pass = seed, pass_
+        self._visits: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def visit_at(self, place: int) -> int:
+        return int(np.searchsorted(self.starts, place, side="right")) - 1
+
+    def entries_of(self, v: int) -> np.ndarray:
+        """The entry numbers of visit ``v`` (of its shard), in the visit's seeded order."""
+        entries = self._visits.get(v)
+        if entries is None:
+            first, stop = int(self.first[v]), int(self.stop[v])
+            entries = first + _rng("wdsvlm-visit", self._seed, self._pass, v).permutation(
+                stop - first
+            )
+            self._visits[v] = entries
+            while len(self._visits) > 8:
+                self._visits.popitem(last=False)
+        return entries
+
+    def entry_at(self, place: int) -> tuple[int, int, int]:
+        """``(source, shard, entry)`` at ``place``."""
+        v = self.visit_at(place)
+        entry = int(self.entries_of(v)[place - int(self.starts[v])])
+        return int(self.visit_source[v]), int(self.visit_shard[v]), entry
+
+
+def _chunks(source: DataSource, span_bytes: int):
+    """``(shard, first entry, stop)`` of each chunk of the source, in shard order: runs of
+    neighbouring samples of about ``span_bytes``, from each shard's sample count and bytes."""
+    shards = source.index["shards"]
+    samples = np.fromiter((s["samples"] for s in shards), dtype=np.int64, count=len(shards))
+    nbytes = np.fromiter((s.get("bytes") or 1 for s in shards), dtype=np.int64, count=len(shards))
+    per_chunk = np.maximum(1, span_bytes * samples // np.maximum(1, nbytes))
+    counts = -(-samples // per_chunk)
+    shard = np.repeat(np.arange(len(shards)), counts)
+    within = np.arange(len(shard)) - np.repeat(np.cumsum(counts) - counts, counts)
+    first = within * per_chunk[shard]
+    return shard, first, np.minimum(first + per_chunk[shard], samples[shard])
+
+
+def _extra_visits(source: DataSource, number: int, seed: int, pass_: int, shard, first, stop):
+    """``(shard, first entry, stop)`` of the visits holding the source's extra samples of this
+    pass: the window ``[pass * extra, (pass + 1) * extra)`` (modulo the source's size) of the
+    source's samples with its chunks in a seeded rotation order, fixed for the source."""
+    n = source.size
+    rotation = _rng("wdsvlm-extra", seed, number, source.name).permutation(len(shard))
+    shard, first, stop = shard[rotation], first[rotation], stop[rotation]
+    ends = np.cumsum(stop - first)
+    begins = ends - (stop - first)
+    start = (pass_ * source.extra) % n
+    windows = [(start, min(n, start + source.extra))]
+    if start + source.extra > n:  # wrapping round to the source's start
+        windows.append((0, start + source.extra - n))
+    out = [[], [], []]
+    for lo, hi in windows:
+        touched = (ends > lo) & (begins < hi)
+        out[0].append(shard[touched])
+        out[1].append(first[touched] + np.maximum(0, lo - begins[touched]))
+        out[2].append(first[touched] + np.minimum(stop - first, hi - begins)[touched])
+    return tuple(np.concatenate(parts) for parts in out)
+
+
+class Plan(IterableDataset):
+    """Pipeline source: this worker's spans for one pass, ready for ``ReadSamples``.
+
+    ``source`` is a dataset folder or URL, tar URLs (see ``resolve_source``), or a mixture
+    (``Source`` list or mixture file; see ``mixture.py``). Each pass has one global order
+    (``PassOrder``), the same on every topology; global worker ``w`` of ``G`` reads the
+    contiguous block ``worker_share(pass size, w, G)`` of it, in that order. A sample's place
+    is ``[pass, place in the pass's order]``. Iterating (or calling) a ``Plan`` inside a
+    DataLoader worker yields that worker's share of pass ``epoch``.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        seed: int = 0,
+        epoch: int = 0,
+        worker_config: WorkerConfig | None = None,
+        span_bytes: int = 8 * 2**20,
+        storage_options: Mapping[str, Any] | None = None,
+        read_policy=None,
+        samples_per_pass: int | None = None,
+    ):
+        super().__init__()
+        sources, mixture = resolve_sources(source, storage_options, read_policy, samples_per_pass)
+        worker_config = worker_config or WorkerConfig.from_environment()
+        self._take(sources, mixture, seed, epoch, worker_config, span_bytes)
+        for s in self.sources:
+            if s.size == 0:
+                raise ValueError(f"{s.index.get('source', s.name)}: the dataset has no samples")
+        if self.num_samples == 0:
+            raise ValueError(f"{source}: a pass of the mixture holds no samples")
+
+    @classmethod
+    def of_sources(
+        cls,
+        sources: Sequence[DataSource],
+        *,
+        mixture: bool = True,
+        seed: int = 0,
+        epoch: int = 0,
+        worker_config: WorkerConfig | None = None,
+        span_bytes: int = 8 * 2**20,
+    ) -> Plan:
+        """A plan over sources already resolved (indexes in memory)."""
+        plan = cls.__new__(cls)
+        IterableDataset.__init__(plan)
+        plan._take(sources, mixture, seed, epoch, worker_config or WorkerConfig(), span_bytes)
+        return plan
+
+    def _take(self, sources, mixture, seed, epoch, worker_config, span_bytes) -> None:
+        self.sources, self.mixture = list(sources), mixture
+        self.index, self.urls = self.sources[0].index, self.sources[0].urls
+        self.seed, self._epoch, self.span_bytes = seed, epoch, span_bytes
+        self.worker_config = worker_config
+        self._orders: OrderedDict[int, PassOrder] = OrderedDict()
+
+    def __getstate__(self):
+        return {**self.__dict__, "_orders": OrderedDict()}
+
+    @property
+    def epoch(self) -> int:
+        """The pass iterated next: a plain number, or a shared one (see ``share_epoch``)."""
+        return self._epoch if isinstance(self._epoch, int) else self._epoch.value
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        if isinstance(self._epoch, int):
+            self._epoch = value
+        else:
+            self._epoch.value = value
+
+    def share_epoch(self) -> None:
+        """Keep the epoch in shared memory, so that persistent DataLoader workers, which hold
+        their own copy of the plan, see ``set_epoch`` of the training process."""
+        if isinstance(self._epoch, int):
+            import torch.multiprocessing as mp
+
+            value = mp.Value("q", self._epoch, lock=False)
+            self._epoch = value
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in one pass (all workers together; the same every pass)."""
+        return sum(s.per_pass for s in self.sources)
+
+    def order(self, pass_: int) -> PassOrder:
+        """The global order of pass ``pass_`` (the last few are kept)."""
+        order = self._orders.get(pass_)
+        if order is None:
+            order = PassOrder(self.sources, self.seed, pass_, self.span_bytes)
+            self._orders[pass_] = order
+            while len(self._orders) > 3:
+                self._orders.popitem(last=False)
+        return order
+
+    def share(self, worker: int, global_workers: int | None = None) -> tuple[int, int]:
+        """Global worker ``worker``'s block ``[start, stop)`` of every pass's order."""
+        return worker_share(
+            self.num_samples, worker, global_workers or self.worker_config.global_workers
+        )
+
+    def __call__(self, src=None) -> Iterator[dict]:
+        return iter(self)
+
+    def __iter__(self) -> Iterator[dict]:
+        config = self.worker_config
+        worker = config.global_worker(current_worker_id(config))
+        yield from self.spans(self.epoch, worker)
+
+    def spans(self, pass_: int, worker: int, start: int | None = None) -> Iterator[dict]:
+        """Global worker ``worker``'s spans of pass ``pass_``, from place ``start`` of the
+        pass's order on (default: the start of its block)."""
+        first, stop = self.share(worker)
+        spans = self.read_spans(pass_, [[max(first, start or 0), stop]], worker)
+        for span in spans:
+            span["whole_share"] = True  # a pass's whole share: all of it bad is an error
+            yield span
+
+    def read_spans(self, pass_: int, ranges: Sequence[Sequence[int]], worker: int):
+        """The spans that read places ``[a, b)`` of pass ``pass_``'s order, for each range in
+        turn (ascending), in order. Each span is one ranged read of one shard; it lists its
+        samples (``entries``) and their ``positions`` (places) in reading order. The places
+        of one chunk visit, from however many ranges, go into as few reads as they need."""
+        order = self.order(pass_)
+        visit, places = None, []
+        for a, b in ranges:
+            while a < b:
+                v = order.visit_at(a)
+                stop = min(b, int(order.starts[v + 1]))
+                if v != visit and places:
+                    yield from self._cut(order, visit, pass_, places, worker)
+                    places = []
+                visit = v
+                places.extend(range(a, stop))
+                a = stop
+        if places:
+            yield from self._cut(order, visit, pass_, places, worker)
+
+    def _cut(self, order: PassOrder, v: int, pass_: int, places: Sequence[int], worker: int):
+        """Spans of ascending places of one visit, cut where an entry would not join
+        (``_joins``)."""
+        source = self.sources[int(order.visit_source[v])]
+        number = int(order.visit_shard[v])
+        shard = source.index["shards"][number]
+        numbers, start = order.entries_of(v), int(order.starts[v])
+        try:
+            found = [(shard["entries"][int(numbers[p - start])], p) for p in places]
+        except (ShardFormatError, StorageError) as e:  # its sidecar cannot be read
+            failed = self._span(
+                source,
+                number,
+                [({"key": "?", "offset": 0, "size": 0}, p) for p in places],
+                pass_,
+                worker,
+            )
+            failed["failed"] = e
+            yield failed
+            return
+        yield from self._spans_of(source, number, found, pass_, worker)
+
+    def _spans_of(self, source, number: int, found: list[tuple], pass_: int, worker: int):
+        """Spans of ``(entry, place)`` of one shard, in their order, a new read wherever the
+        next entry does not join the current one."""
+        part: list[tuple] = []
+        start = stop = used = 0
+        for entry, place in found:
+            if part and not _joins(start, stop, used, entry, self.span_bytes):
+                yield self._span(source, number, part, pass_, worker)
+                part = []
+            if not part:
+                start, stop, used = entry["offset"], entry["offset"], 0
+            part.append((entry, place))
+            start = min(start, entry["offset"])
+            stop = max(stop, entry["offset"] + entry["size"])
+            used += entry["size"]
+        if part:
+            yield self._span(source, number, part, pass_, worker)
+
+    def _span(self, source, number: int, part: list[tuple], pass_: int, worker: int) -> dict:
+        shard = source.index["shards"][number]
+        return span(
+            source.urls[number],
+            f"{source.name}/{shard['name']}" if self.mixture else shard["name"],
+            [entry for entry, _ in part],
+            positions=[place for _, place in part],
+            pass_=pass_,
+            worker=worker,
+            source=source.name if self.mixture else None,
+            shard_bytes=shard["bytes"],
+            storage_options=source.storage_options,
+            layout=source.index.get("layout"),
+        )
+
+    def locate(self, pass_: int, places: Sequence[int], worker: int = 0) -> list[dict]:
+        """Spans that hold the given places of pass ``pass_`` (neighbours in a shard merged
+        into one ranged read): how a resumed loader fetches the samples its buffers held."""
+        order = self.order(pass_)
+        by_shard: dict[tuple, list] = {}
+        for place in sorted(set(int(p) for p in places)):
+            source, shard, entry = order.entry_at(place)
+            entries = self.sources[source].index["shards"][shard]["entries"]
+            by_shard.setdefault((source, shard), []).append((entries[entry], place))
+        out: list[dict] = []
+        for (s, number), found in by_shard.items():
+            found.sort(key=lambda f: f[0]["offset"])
+            out += self._spans_of(self.sources[s], number, found, pass_, worker)
+        return out

@@ -1,0 +1,211 @@
+"""Read: spans of the plan in, samples (tar members by name) out.
+
+Each span is one ranged read of a shard through fsspec (``storage.read_range``: in blocks,
+retried where a transient fault broke it); the samples inside it are cut out by their index
+offsets. A background thread reads up to ``read_ahead`` spans ahead, so I/O overlaps the
+decoding downstream; nothing stays open between spans, and the thread ends with the stage.
+A sample whose bytes are cut short (a truncated shard) or do not parse as tar members of its
+key is skipped and counted. A shard that cannot be read raises ``StorageError`` naming it, or
+with ``on_shard_error="skip"`` has its samples counted as skipped (``unreadable_shard``).
+With a ``cache`` (``cache.ShardCache``), shards are read from local disk once fetched.
+"""
+
+from __future__ import annotations
+
+import queue
+import tarfile
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ..errors import StorageError
+from ..format.layouts import BadSample, Layout
+from ..format.tarball import tar_members
+from ..pipeline.stats import SkipStats
+from ..storage.cache import ShardCache
+from ..storage.fs import ReadPolicy, read_range
+
+_DONE = object()
+
+
+class ReadSamples:
+    """Pipeline stage: plan spans -> samples.
+
+    A sample is ``{"__key__", "__shard__", "__url__", "__meta__" (its index entry),
+    "__pass__" (its pass), "__worker__", "__pos__" (its place in the pass's global order),
+    "__source__" (its source's name), "json": bytes, "0.jpg": bytes, ...}``: member names
+    without the key, as webdataset names them.
+    """
+
+    def __init__(
+        self,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        stats: SkipStats | None = None,
+        policy: ReadPolicy | None = None,
+        read_ahead: int = 2,
+        on_shard_error: str = "raise",
+        cache: ShardCache | None = None,
+    ):
+        if on_shard_error not in ("raise", "skip"):
+            raise ValueError(f"on_shard_error must be 'raise' or 'skip', not {on_shard_error!r}")
+        if read_ahead < 0:
+            raise ValueError(f"read_ahead must be >= 0, not {read_ahead}")
+        self.storage_options = dict(storage_options or {})
+        self.stats = stats if stats is not None else SkipStats()
+        self.policy = policy or ReadPolicy()
+        self.read_ahead = read_ahead
+        self.on_shard_error = on_shard_error
+        self.cache = cache
+
+    def _read(self, span: dict, cancel: threading.Event | None = None) -> bytes | StorageError:
+        if "failed" in span:  # nothing to read: the plan could not list its samples
+            return b""
+        options = span.get("storage_options")  # a mixture's source may have its own
+        options = self.storage_options if options is None else options
+        try:
+            if self.cache is not None and "shard_bytes" in span:
+                return self.cache.read(
+                    span["url"],
+                    span["shard_bytes"],
+                    span["start"],
+                    span["stop"],
+                    options,
+                    self.policy,
+                )
+            return read_range(
+                span["url"],
+                span["start"],
+                span["stop"],
+                options,
+                self.policy,
+                cancel,
+            )
+        except StorageError as e:
+            return e
+
+    def _fetched(self, spans: Iterator[dict]) -> Iterator[tuple[dict, bytes | StorageError]]:
+        """``(span, its bytes or the error)`` in order, read ahead by a background thread."""
+        if not self.read_ahead:
+            for span in spans:
+                yield span, self._read(span)
+            return
+        ready: queue.Queue = queue.Queue(maxsize=self.read_ahead)
+        stop = threading.Event()
+
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def run():
+            try:
+                for span in spans:
+                    if not put((span, self._read(span, stop))):
+                        return
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+                put((None, e))
+                return
+            put((_DONE, None))
+
+        thread = threading.Thread(target=run, name="wdsvlm-read-ahead", daemon=True)
+        thread.start()
+        try:
+            while True:
+                span, data = ready.get()
+                if span is _DONE:
+                    return
+                if span is None:
+                    raise data
+                yield span, data
+        finally:
+            stop.set()
+            thread.join()
+
+    def __call__(self, spans: Iterator[dict]) -> Iterator[dict]:
+        failed: set[tuple] = set()  # (url, pass): a shard given up on, for this pass
+        pass_, yielded, whole = None, 0, True
+        for span, data in self._fetched(spans):
+            if span.get("pass") != pass_:
+                # skip mode must not spin forever: a worker's whole share of a pass with no
+                # sample that could be read is an error (a part of a pass handed over by an
+                # elastic resume may lie in one bad shard)
+                if pass_ is not None and not yielded and whole:
+                    raise StorageError(
+                        f"a whole pass over global worker {span.get('worker')}'s share gave no "
+                        f"sample that could be read; the last shard: {span['url']}"
+                    )
+                pass_, yielded, whole = span.get("pass"), 0, True
+            whole = whole and span.get("whole_share", False)
+            if "failed" in span:  # its sidecar could not be read: its samples are unknown
+                if self.on_shard_error == "raise":
+                    raise span["failed"]
+                for place in span["positions"]:
+                    sample = {"__key__": f"place {place}", "__shard__": span["shard"]}
+                    reason = "unreadable_sidecar"
+                    self.stats.skip("read", reason, sample, str(span["failed"]), streak=False)
+                continue
+            if (span["url"], pass_) in failed:
+                data = StorageError(f"{span['url']}: skipped after an earlier failure")
+            if isinstance(data, StorageError):
+                if self.on_shard_error == "raise":
+                    raise data  # it names the shard's URL, the byte and the cause
+                failed.add((span["url"], pass_))
+                for entry in span["entries"]:
+                    sample = {"__key__": entry["key"], "__shard__": span["shard"]}
+                    self.stats.skip("read", "unreadable_shard", sample, str(data), streak=False)
+                continue
+            positions = span.get("positions") or [None] * len(span["entries"])
+            layout = Layout.from_dict(span["layout"]) if "layout" in span else None
+            for entry, position in zip(span["entries"], positions, strict=True):
+                sample = {
+                    "__key__": entry["key"],
+                    "__shard__": span["shard"],
+                    "__url__": span["url"],
+                    "__meta__": entry,
+                    "__pass__": span.get("pass", 0),
+                    "__worker__": span["worker"],
+                    "__pos__": position,
+                }
+                if span.get("source") is not None:
+                    sample["__source__"] = span["source"]
+                begin = entry["offset"] - span["start"]
+                chunk = data[begin : begin + entry["size"]]
+                if len(chunk) < entry["size"]:
+                    self.stats.skip(
+                        "read",
+                        "truncated_tar",
+                        sample,
+                        f"{span['url']} ends before byte {entry['offset'] + entry['size']}",
+                    )
+                    continue
+                try:
+                    members = tar_members(chunk)
+                except tarfile.TarError as e:
+                    self.stats.skip("read", "corrupt_tar", sample, f"bad tar data: {e}")
+                    continue
+                prefix = entry["key"] + "."
+                if not members or any(not name.startswith(prefix) for name in members):
+                    self.stats.skip(
+                        "read",
+                        "corrupt_tar",
+                        sample,
+                        f"members {sorted(members)} at offset {entry['offset']} are not all "
+                        f"of key {entry['key']}: the index does not match the shard",
+                    )
+                    continue
+                members = {name[len(prefix) :]: value for name, value in members.items()}
+                if layout is not None:  # another layout's members as wdsvlm's own
+                    try:
+                        members = layout.convert(entry["key"], members)
+                    except BadSample as e:
+                        self.stats.skip("read", e.reason, sample, f"{span['url']}: {e}")
+                        continue
+                self.stats.ok("read")
+                sample.update(members)
+                yielded += 1
+                yield sample

@@ -1,0 +1,1 @@
+"""Storage: fsspec reads and writes with retries, and the local shard cache."""

@@ -1,0 +1,1 @@
+"""Tiny random models and processors for tests and benches, built offline."""

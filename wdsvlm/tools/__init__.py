@@ -1,0 +1,1 @@
+"""The command line and the tools behind it: inspect, stats, pictures, benches."""

@@ -1,0 +1,1 @@
+"""Writing datasets: inputs, shard writing, engines (local and Ray), indexing existing tars."""
