@@ -11,7 +11,7 @@ STAMP := $(VENV)/.wdsvlm-installed
 .PHONY: install demo test test-fast lint example clean
 
 # constraints.txt: the versions the tests last passed with (pip backtracks for minutes without)
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"

@@ -1,10 +1,11 @@
-"""Packaging as Python users expect: PEP 621 metadata in pyproject.toml, optional backends as
+"""Packaging as Python users expect: declarative metadata in setup.cfg, optional backends as
 extras with a one-line error naming the install, every imported module declared, a license
 file that matches, and the typing marker."""
 
 from __future__ import annotations
 
 import ast
+import configparser
 import importlib.metadata
 import os
 import re
@@ -14,12 +15,24 @@ import pytest
 
 from .conftest import REPO, run_process
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - the project's machines run 3.11
-    tomllib = pytest.importorskip("tomli")
 
-PROJECT = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))["project"]
+def _setup_cfg() -> dict:
+    """setup.cfg's metadata in the shape of PEP 621's names."""
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(REPO, "setup.cfg"))
+
+    def lines(value: str) -> list[str]:
+        kept = (line.split("#")[0].strip() for line in value.splitlines())
+        return [line for line in kept if line]
+
+    return {
+        "license": cfg["metadata"]["license"],
+        "dependencies": lines(cfg["options"]["install_requires"]),
+        "optional-dependencies": {k: lines(v) for k, v in cfg["options.extras_require"].items()},
+    }
+
+
+PROJECT = _setup_cfg()
 
 
 def requirement_name(requirement: str) -> str:
@@ -29,9 +42,8 @@ def requirement_name(requirement: str) -> str:
 def imported_top_modules() -> set[str]:
     """Top-level modules that wdsvlm's own code imports, standard library left out."""
     found = set()
-    folder = os.path.join(REPO, "wdsvlm")
-    for name in os.listdir(folder):
-        if name.endswith(".py"):
+    for folder, _, names in os.walk(os.path.join(REPO, "wdsvlm")):
+        for name in (n for n in names if n.endswith(".py")):
             tree = ast.parse(open(os.path.join(folder, name)).read())
             for node in ast.walk(tree):
                 if isinstance(node, ast.Import):
@@ -69,8 +81,8 @@ def test_the_license_file_matches_the_declared_license_and_the_package_is_typed(
     text = open(os.path.join(REPO, "LICENSE")).read()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert os.path.exists(os.path.join(REPO, "wdsvlm", "py.typed"))
-    assert importlib.metadata.metadata("wdsvlm")["License-Expression"] == "Apache-2.0"
-    assert not os.path.exists(os.path.join(REPO, "setup.cfg"))
+    assert importlib.metadata.metadata("wdsvlm")["License"] == "Apache-2.0"
+    assert "[project]" not in open(os.path.join(REPO, "pyproject.toml")).read()  # setup.cfg's
 
 
 BLOCK = "import sys; sys.modules.update({m: None for m in ('s3fs', 'gcsfs', 'matplotlib')}); "
