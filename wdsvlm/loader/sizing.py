@@ -16,7 +16,8 @@ from typing import Any
 
 from ..errors import ShardFormatError, StorageError
 from ..pipeline.images import UnusableImage
-from ..pipeline.plan import Plan, WorkerConfig, span
+from ..pipeline.order import span
+from ..pipeline.plan import Plan, WorkerConfig
 from ..pipeline.read import ReadSamples
 from ..pipeline.stats import SkipStats
 
