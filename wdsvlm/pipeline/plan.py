@@ -120,6 +120,7 @@ def span(
     worker: int = 0,
     source: str | None = None,
     shard_bytes: int | None = None,
+    shard_sha256: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
     layout: Mapping[str, Any] | None = None,
 ) -> dict:
@@ -139,8 +140,8 @@ def span(
         "source": source,
         "storage_options": storage_options,
     }
-    if shard_bytes is not None:  # a shard cache keeps whole shards of this size
-        out["shard_bytes"] = shard_bytes
+    if shard_bytes is not None:  # a shard cache keeps whole shards of this size and sha256
+        out["shard_bytes"], out["shard_sha256"] = shard_bytes, shard_sha256
     if layout and layout.get("name", "wdsvlm") != "wdsvlm":
         out["layout"] = dict(layout)
     return out
@@ -442,6 +443,7 @@ class Plan(IterableDataset):
             worker=worker,
             source=source.name if self.mixture else None,
             shard_bytes=shard["bytes"],
+            shard_sha256=shard.get("sha256"),
             storage_options=source.storage_options,
             layout=source.index.get("layout"),
         )
