@@ -221,9 +221,9 @@ def is_transient(error: BaseException) -> bool:
     Only what is known to be a fault of the network or the store is transient: any other
     exception (a ``TypeError``, ``KeyError``, ... of a bug) is not, so it surfaces at once
     instead of after every retry."""
-    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
-        return False
-    if isinstance(error, NotADirectoryError):
+    if isinstance(
+        error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+    ):
         return False
     status = _http_status(error)
     if status is not None:  # an HTTP answer: its status decides
