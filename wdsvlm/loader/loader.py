@@ -272,13 +272,16 @@ class Loader:
         return self._batches_per_epoch
 
     def _dataset_id(self) -> str:
-        """The sources' shards and each source's share of a pass."""
+        """The sources' shards (names, samples, bytes, sha256) and each source's share of a pass."""
         sources = [
             [
                 s.name,
                 s.copies,
                 s.extra,
-                [[h["name"], h["samples"], h.get("bytes")] for h in s.index["shards"]],
+                [
+                    [h["name"], h["samples"], h.get("bytes"), h.get("sha256")]
+                    for h in s.index["shards"]
+                ],
             ]
             for s in self.plan.sources
         ]

@@ -37,6 +37,7 @@ def span(
     worker: int = 0,
     source: str | None = None,
     shard_bytes: int | None = None,
+    shard_sha256: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
     layout: Mapping[str, Any] | None = None,
 ) -> dict:
@@ -56,8 +57,8 @@ def span(
         "source": source,
         "storage_options": storage_options,
     }
-    if shard_bytes is not None:  # a shard cache keeps whole shards of this size
-        out["shard_bytes"] = shard_bytes
+    if shard_bytes is not None:  # a shard cache keeps whole shards of this size and sha256
+        out["shard_bytes"], out["shard_sha256"] = shard_bytes, shard_sha256
     if layout and layout.get("name", "wdsvlm") != "wdsvlm":
         out["layout"] = dict(layout)
     return out

@@ -292,6 +292,7 @@ class Plan(IterableDataset):
             worker=worker,
             source=source.name if self.mixture else None,
             shard_bytes=shard["bytes"],
+            shard_sha256=shard.get("sha256"),
             storage_options=source.storage_options,
             layout=source.index.get("layout"),
         )
