@@ -31,7 +31,7 @@ from ..loader.settings import (
     signature_with_settings,
     upgrade_state,
 )
-from ..loader.sizing import agreed, estimate_batches
+from ..loader.sizing import estimate_batches
 from ..loader.stream import STATE_KEY, STATS_KEY, Stream, fresh_state
 from ..loader.workers import check_context, check_main_guarded, worker_context
 from ..pipeline.collate import Collate
@@ -168,8 +168,8 @@ class Loader:
         # a multiple of the workers, so that each gives the same number of batches an epoch
         # and none falls behind the others epoch after epoch
         workers = self.worker_config.workers_per_rank
-        estimate = settings.batches_per_epoch or agreed(
-            estimate_batches(self.plan, self.tokenize, self.pack, settings, self.worker_config)
+        estimate = settings.batches_per_epoch or estimate_batches(
+            self.plan, self.tokenize, self.pack, settings, self.worker_config
         )
         self._batches_per_epoch = -(-estimate // workers) * workers
         self.stream = Stream(
