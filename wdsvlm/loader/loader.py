@@ -33,7 +33,12 @@ from ..loader.settings import (
 )
 from ..loader.sizing import estimate_batches
 from ..loader.stream import STATE_KEY, STATS_KEY, Stream, fresh_state
-from ..loader.workers import check_context, check_main_guarded, worker_context
+from ..loader.workers import (
+    check_context,
+    check_main_guarded,
+    exit_with_training_process,
+    worker_context,
+)
 from ..pipeline.collate import Collate
 from ..pipeline.images import ImageConfig
 from ..pipeline.pack import BalanceBatches, Pack, tiles_cv
@@ -144,6 +149,7 @@ class Loader:
             context = check_context(settings.multiprocessing_context)
             check_main_guarded(context)  # before a fork server starts, not in each worker
             self.dataloader_options["prefetch_factor"] = settings.prefetch_factor or 2
+            self.dataloader_options["worker_init_fn"] = exit_with_training_process
             preload = [type(tok).__module__]
             if self.family is not None:  # the family's module and the processor's classes
                 preload += [
