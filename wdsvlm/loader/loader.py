@@ -31,9 +31,14 @@ from ..loader.settings import (
     signature_with_settings,
     upgrade_state,
 )
-from ..loader.sizing import agreed, estimate_batches
+from ..loader.sizing import estimate_batches
 from ..loader.stream import STATE_KEY, STATS_KEY, Stream, fresh_state
-from ..loader.workers import check_context, check_main_guarded, worker_context
+from ..loader.workers import (
+    check_context,
+    check_main_guarded,
+    exit_with_training_process,
+    worker_context,
+)
 from ..pipeline.collate import Collate
 from ..pipeline.images import ImageConfig
 from ..pipeline.pack import BalanceBatches, Pack, tiles_cv
@@ -144,6 +149,7 @@ class Loader:
             context = check_context(settings.multiprocessing_context)
             check_main_guarded(context)  # before a fork server starts, not in each worker
             self.dataloader_options["prefetch_factor"] = settings.prefetch_factor or 2
+            self.dataloader_options["worker_init_fn"] = exit_with_training_process
             preload = [type(tok).__module__]
             if self.family is not None:  # the family's module and the processor's classes
                 preload += [
@@ -168,8 +174,8 @@ class Loader:
         # a multiple of the workers, so that each gives the same number of batches an epoch
         # and none falls behind the others epoch after epoch
         workers = self.worker_config.workers_per_rank
-        estimate = settings.batches_per_epoch or agreed(
-            estimate_batches(self.plan, self.tokenize, self.pack, settings, self.worker_config)
+        estimate = settings.batches_per_epoch or estimate_batches(
+            self.plan, self.tokenize, self.pack, settings, self.worker_config
         )
         self._batches_per_epoch = -(-estimate // workers) * workers
         self.stream = Stream(
