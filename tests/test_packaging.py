@@ -183,3 +183,74 @@ def test_a_wheel_installed_away_from_the_source_runs_the_tiny_processor_bench(tm
     assert run.stdout.startswith(f"imported {site / 'wdsvlm' / 'tools' / 'cli.py'}\n"), run.stdout
     assert run.returncode == 0, run.stderr[-3000:]
     assert "TinyQwen2VLProcessor" in run.stdout and "samples/s" in run.stdout, run.stdout
+
+
+PUBLIC = {
+    # the writer and the dataset's index
+    "write_dataset",
+    "WriteOptions",
+    "WriteSummary",
+    "index_tars",
+    "load_index",
+    "verify_dataset",
+    # the loader and what a training step calls on its batches
+    "Loader",
+    "LoaderSettings",
+    "Source",
+    "ReadPolicy",
+    "model_inputs",
+    "block_causal_mask",
+    # the errors a user catches
+    "WdsvlmError",
+    "BadInputError",
+    "DatasetExistsError",
+    "ShardFormatError",
+    "StorageError",
+    "TooManyFailuresError",
+}
+STAGES = {
+    "Plan",
+    "WorkerConfig",
+    "ReadSamples",
+    "Shuffle",
+    "ImageConfig",
+    "DecodeImages",
+    "Tokenize",
+    "SkipStats",
+    "Pack",
+    "Packer",
+    "Collate",
+}
+
+
+def test_the_package_exports_what_a_training_script_uses_and_the_stages_apart():
+    import wdsvlm
+    import wdsvlm.families
+    import wdsvlm.pipeline
+
+    for package, names in (
+        (wdsvlm, PUBLIC),
+        (wdsvlm.pipeline, STAGES),
+        (wdsvlm.families, {"family_of"}),
+    ):
+        assert len(package.__all__) == len(names) and set(package.__all__) == names
+        assert names <= set(dir(package)), names - set(dir(package))
+        for name in names:
+            value = getattr(package, name)
+            assert getattr(value, "__name__", name) == name, (package.__name__, name)
+    assert not STAGES & set(dir(wdsvlm)), "the stages are wdsvlm.pipeline's"
+    with pytest.raises(AttributeError, match="module 'wdsvlm' has no attribute 'Plan'"):
+        wdsvlm.Plan  # noqa: B018
+
+
+@pytest.mark.processes
+def test_importing_wdsvlm_and_its_writer_side_names_imports_no_torch():
+    code = (
+        "import sys, wdsvlm; names = dir(wdsvlm); "
+        "[getattr(wdsvlm, n) for n in ('write_dataset', 'WriteOptions', 'WriteSummary', "
+        "'load_index', 'verify_dataset', 'ReadPolicy', 'StorageError')]; "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert {'Loader', 'index_tars'} <= set(names), names"
+    )
+    run = run_process([sys.executable, "-c", code], timeout=60)
+    assert run.returncode == 0, run.stderr
