@@ -18,7 +18,8 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 import wdsvlm
-from wdsvlm.pipeline.plan import span
+from wdsvlm.errors import ObjectNotFoundError
+from wdsvlm.pipeline.order import span
 from wdsvlm.pipeline.read import ReadSamples
 from wdsvlm.storage.fs import ReadPolicy, is_transient, read_range
 
@@ -172,7 +173,7 @@ def test_a_missing_shard_fails_at_once_or_is_skipped_and_reported(s3_bucket):
     fs, path = fsspec.core.url_to_fs(bucket, **options)
     fs.rm_file(f"{path}/example/shapes-000001.tar")
     started = time.monotonic()
-    with pytest.raises(wdsvlm.ObjectNotFoundError, match=r"shapes-000001\.tar"):
+    with pytest.raises(ObjectNotFoundError, match=r"shapes-000001\.tar"):
         list(loader)
     assert time.monotonic() - started < 5  # no retries for a 404
     skipping = wdsvlm.Loader(
