@@ -17,8 +17,9 @@ import webdataset as wds
 from PIL import Image
 
 import wdsvlm
+from wdsvlm.errors import BadInputError
 from wdsvlm.format.layouts import Layout, split_name
-from wdsvlm.write.tarindex import BadSamplesError, index_tars
+from wdsvlm.write.tarindex import index_tars
 
 from .conftest import EXAMPLE, make_image, run_cli, write_jsonl
 from .test_ddp import digest
@@ -223,12 +224,15 @@ def odd_tars(tmp_path):
 
 
 def test_bad_samples_stop_the_index_unless_skipped_and_are_listed(odd_tars):
-    with pytest.raises(BadSamplesError) as e:
+    with pytest.raises(BadInputError) as e:
         index_tars(odd_tars, format="captions", show_progress=False)
     message = str(e.value)
-    assert "part-0.tar key notext: missing_text" in message
-    assert "part-0.tar key badimage: unreadable_image" in message
-    assert "part-1.tar key last: truncated_tar" in message
+    assert "3 of 8 samples are bad; no index.json was written" in message
+    assert "part-0.tar key notext: no caption member" in message
+    assert "(missing_text)" in message
+    assert "part-0.tar key badimage: image jpg" not in message  # its image is a png
+    assert "part-0.tar key badimage: image png:" in message and "(unreadable_image)" in message
+    assert "part-1.tar key last: " in message and "(truncated_tar)" in message
     assert not os.path.exists(os.path.join(odd_tars, "index.json"))
     assert not [n for n in os.listdir(odd_tars) if n.endswith(".idx")]
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError
+from .conversation import IMAGE_MARKER, conversation_of, place_images
 
 LAYOUTS = ("wdsvlm", "captions", "conversations")
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
@@ -144,8 +145,6 @@ class Layout:
     def messages(self, key: str, members: Mapping[str, bytes], n_images: int) -> list[dict]:
         """The sample's conversation, ``<image>`` markers in place; ``BadSample`` if there
         is none."""
-        from ..write.inputs import conversation_of, place_images
-
         if self.name == "captions":
             found = _find(members, self.text)
             if found is None:
@@ -158,7 +157,7 @@ class Layout:
                 raise BadSample("missing_text", f"its {found} member is empty")
             if not n_images:
                 raise BadSample("missing_image", f"no image member among {sorted(members)}")
-            prompt = "<image>" * n_images + "\n" + self.prompt(key)
+            prompt = IMAGE_MARKER * n_images + "\n" + self.prompt(key)
             return [{"role": "user", "content": prompt}, {"role": "assistant", "content": caption}]
         found = _find(members, ("json",))
         if found is None:
