@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from ..format.conversation import IMAGE_MARKER
 from ..pipeline.images import decode_each, open_image
-from ..write.inputs import IMAGE_MARKER
 
 # processor class -> (module, family class); checked along the processor's class hierarchy
 SUPPORTED = {

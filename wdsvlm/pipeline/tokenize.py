@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import TemplateError
 from ..families.processors import conversation
+from ..format.conversation import IMAGE_MARKER
 from ..pipeline.images import (
     ImageConfig,
     UnreadableImage,
@@ -38,7 +39,6 @@ from ..pipeline.images import (
     tile_count,
 )
 from ..pipeline.stats import SkipStats
-from ..write.inputs import IMAGE_MARKER
 
 log = logging.getLogger("wdsvlm.tokenize")
 
