@@ -23,9 +23,11 @@ def run_python_example(page: str, pattern: str, monkeypatch) -> dict:
     """Run a Python block of ``page`` in the repository root, as an imported module would
     (``__name__`` is not ``"__main__"``); its variables afterwards."""
     (code,) = doc_blocks(page, pattern)
+    with open(os.path.join(REPO, page)) as f:
+        above = f.read().split(code)[0].count("\n")  # tracebacks then name the page's lines
     monkeypatch.chdir(REPO)
     scope: dict = {"__name__": "example"}
-    exec(compile(code, page, "exec"), scope)  # noqa: S102 - our own documentation
+    exec(compile("\n" * above + code, page, "exec"), scope)  # noqa: S102 - our own documentation
     return scope
 
 
