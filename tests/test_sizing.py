@@ -12,7 +12,7 @@ import fsspec
 import pytest
 
 import wdsvlm
-from wdsvlm.format.index import upgrade_dataset
+from wdsvlm.format.builder import upgrade_dataset
 from wdsvlm.loader.sizing import estimate_batches, measured_shards
 from wdsvlm.pipeline.plan import Plan
 from wdsvlm.storage.fs import ReadPolicy
