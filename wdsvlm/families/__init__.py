@@ -1,1 +1,2 @@
-"""Model families: the default tiling, Qwen2/2.5/3-VL, SmolVLM/Idefics3, model_inputs."""
+"""Model families behind one interface (``base.Family``): the default tiling, Qwen2/2.5/3-VL,
+SmolVLM/Idefics3; the processor registry and ``model_inputs``."""

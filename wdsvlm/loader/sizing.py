@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import ShardFormatError, StorageError
-from ..pipeline.images import UnusableImage
+from ..format.images import UnusableImage
 from ..pipeline.plan import Plan, WorkerConfig, span
 from ..pipeline.read import ReadSamples
 from ..pipeline.stats import SkipStats

@@ -29,11 +29,11 @@ from functools import partial
 from typing import Any
 
 from ..errors import DatasetExistsError, ShardFormatError, StorageError, WdsvlmError
+from ..format.images import UnreadableImage, image_size
 from ..format.index import FORMAT, INDEX_NAME, VERSION, dumps_index, shard_summary, sidecar_entry
 from ..format.layouts import LAYOUTS, BadSample, Layout, detect, image_suffixes, split_name
 from ..format.sidecar import pack_entries, sidecar_name
 from ..format.tarball import BLOCK, padded
-from ..pipeline.images import UnreadableImage, image_size
 from ..progress import progress
 from ..storage.fs import exists, filesystem, join, list_names, publish_bytes, remove
 

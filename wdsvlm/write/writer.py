@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any
 
 from ..errors import BadInputError, DatasetExistsError, InputError, StorageError
+from ..format.images import UnreadableImage, probe_image, stored_bytes
 from ..format.index import (
     FORMAT,
     INDEX_NAME,
@@ -37,7 +38,6 @@ from ..format.index import (
 )
 from ..format.sidecar import pack_entries, sidecar_name
 from ..format.tarball import BLOCK, HashingTarWriter, member_bytes, tar_bytes
-from ..pipeline.images import UnreadableImage, probe_image, stored_bytes
 from ..progress import progress
 from ..storage.fs import (
     exists,
