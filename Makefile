@@ -1,6 +1,7 @@
 # make demo: set up .venv and run the main job on shards_example/
 # make test: set up .venv and run the linter and the test suite
 # make test-fast: the same without the tests that start real processes (about 80 s)
+# make docs: build the documentation site (MkDocs Material) into site/; any warning fails it
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.wdsvlm-installed
 
-.PHONY: install demo test test-fast lint example clean
+.PHONY: install demo test test-fast lint docs example clean
 
 # constraints.txt: the versions the tests last passed with (pip backtracks for minutes without)
 $(STAMP): setup.cfg pyproject.toml constraints.txt
@@ -43,9 +44,14 @@ test: lint
 test-fast: lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not processes"
 
+# The pages of docs/ and README.md (the home page) as a site; a broken link or anchor, or a page
+# left out of mkdocs.yml's nav, fails the build (--strict).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 # Rebuild shards_example/ from scratch (seeded: the same bytes again).
 example: install
 	$(PY) scripts/make_example.py --out shards_example
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info site

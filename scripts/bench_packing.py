@@ -238,7 +238,7 @@ def pipeline_seconds_per_sample() -> float:
     import torch
     import webdataset as wds
 
-    from wdsvlm import DecodeImages, Plan, ReadSamples, Tokenize, WorkerConfig
+    from wdsvlm.pipeline import DecodeImages, Plan, ReadSamples, Tokenize, WorkerConfig
 
     torch.set_num_threads(1)
     example = os.path.join(REPO, "shards_example")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import hashlib
 import json
 import os
@@ -30,12 +31,12 @@ for name, value in {
 import ray  # noqa: E402
 
 import wdsvlm  # noqa: E402
-import wdsvlm.write.ray_engine  # noqa: E402
 from wdsvlm.tools.cli import main as cli  # noqa: E402
 
 from .conftest import _serve  # noqa: E402
 
 serve = contextlib.contextmanager(_serve)  # a server on 127.0.0.1 while in the with block
+write_on_ray = functools.partial(wdsvlm.write_dataset, engine="ray")
 
 TEMP_PREFIX = "wdsvlm-ray-"  # Ray's session files go under /tmp/wdsvlm-ray-*, removed after
 
@@ -91,7 +92,7 @@ def suite(work: str) -> dict:
         with ray_session(cpus):
             for kind, inputs in (("json", spec["json"]), ("parquet", spec["parquet"])):
                 out = os.path.join(work, f"ray{cpus}-{kind}")
-                wdsvlm.write.ray_engine.write_dataset(
+                write_on_ray(
                     inputs, out, image_root=spec["image_root"], progress=False, **spec["options"]
                 )
                 found[f"ray{cpus}-{kind}"] = digests(out)
@@ -99,17 +100,15 @@ def suite(work: str) -> dict:
                 records = [json.loads(line) for line in open(spec["json"])]
                 out = os.path.join(work, "ray-dataset")
                 data = ray.data.from_items(records, override_num_blocks=3)
-                wdsvlm.write.ray_engine.write_dataset(
+                write_on_ray(
                     data, out, image_root=spec["image_root"], progress=False, **spec["options"]
                 )
                 found["ray-dataset"] = digests(out)
                 try:
-                    wdsvlm.write.ray_engine.write_dataset(
-                        spec["bad"], os.path.join(work, "bad"), progress=False
-                    )
+                    write_on_ray(spec["bad"], os.path.join(work, "bad"), progress=False)
                 except wdsvlm.BadInputError as e:
                     found["bad-error"] = str(e)
-                summary = wdsvlm.write.ray_engine.write_dataset(
+                summary = write_on_ray(
                     spec["bad"], os.path.join(work, "bad"), skip_bad=True, progress=False
                 )
                 found["bad-skipped"] = summary.skipped
@@ -121,12 +120,10 @@ def suite(work: str) -> dict:
                         for r in records:
                             f.write(json.dumps({**r, "image": f"{url}/{r['image']}"}) + "\n")
                     out = os.path.join(work, "ray-http")
-                    wdsvlm.write.ray_engine.write_dataset(
-                        path, out, progress=False, **spec["options"]
-                    )
+                    write_on_ray(path, out, progress=False, **spec["options"])
                     found["ray-http"] = digests(out)
                 with moto() as (bucket, options):
-                    wdsvlm.write.ray_engine.write_dataset(
+                    write_on_ray(
                         spec["json"],
                         f"{bucket}/ds",
                         image_root=spec["image_root"],
@@ -193,7 +190,7 @@ def kill_worker(work: str) -> dict:
     with ray_session(2), moto() as (bucket, options):
         thread = threading.Thread(target=hunt, daemon=True)
         thread.start()
-        summary = wdsvlm.write.ray_engine.write_dataset(
+        summary = write_on_ray(
             spec["json"],
             f"{bucket}/ds",
             image_root=spec["image_root"],

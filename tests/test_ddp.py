@@ -10,6 +10,7 @@ import os
 import pickle
 import random
 import socket
+import time
 
 import pytest
 import torch
@@ -160,16 +161,18 @@ def _rank_main(rank, world, port, job):
         dist.destroy_process_group()
 
 
-def ddp(job: dict, world: int = 2) -> list:
+def ddp(job: dict, world: int = 2, limit: float | None = None) -> list:
     """Run ``job["run"](rank, job)`` in ``world`` new processes of one gloo process group;
-    their results, by rank. Whatever happens (a failed rank, the test's time limit), no rank
-    is left behind."""
+    their results, by rank. Past ``limit`` seconds the test fails. Whatever happens (a failed
+    rank, a time limit), no rank is left behind."""
     context = mp.start_processes(
         _rank_main, args=(world, _free_port(), job), nprocs=world, start_method="spawn", join=False
     )
+    deadline = None if limit is None else time.monotonic() + limit
     try:
-        while not context.join():
-            pass
+        while not context.join(timeout=None if limit is None else 1):
+            if deadline is not None and time.monotonic() > deadline:
+                pytest.fail(f"the {world} ranks did not finish in {limit} s")
     finally:
         for process in context.processes:
             if process.is_alive():
@@ -259,6 +262,33 @@ def test_two_ranks_equal_steps_every_sample_once_per_pass_and_exact_resume(
     for rank in range(2):
         for k in ks:
             assert resumed[rank][k] == ranks[rank]["digests"][k:], f"rank {rank}, step {k}"
+
+
+def _rank_zero_alone(rank, job):
+    """Rank 0 builds a Loader (an evaluation loader, say), takes its length and a batch; rank 1
+    builds none and waits outside any collective until rank 0 is through. Then both build
+    one. The lengths of each."""
+    through = os.path.join(job["out"], "rank0-through")
+    alone = None
+    if rank == 0:
+        loader = wdsvlm.Loader(job["data"], TOKENIZER, num_workers=0, **SETTINGS)
+        alone = len(loader)
+        assert next(iter(loader))["input_ids"].shape == (SETTINGS["batch_size"], 256)
+        open(through, "w").close()
+    else:
+        while not os.path.exists(through):  # ddp's time limit ends this if rank 0 hangs
+            time.sleep(0.1)
+    dist.barrier()  # the process group is still in step
+    both = wdsvlm.Loader(job["data"], TOKENIZER, num_workers=0, **SETTINGS)
+    return {"alone": alone, "both": len(both)}
+
+
+def test_a_loader_built_on_one_rank_only_does_not_wait_for_the_others(uneven, tmp_path):
+    """len(loader) is worked out from the index and the settings alone, the same on every
+    rank, with no collective call: a Loader on some ranks only must not hang."""
+    ranks = ddp({"run": _rank_zero_alone, "data": uneven, "out": str(tmp_path)}, limit=180)
+    assert ranks[0]["alone"] > 0 and ranks[1]["alone"] is None
+    assert ranks[0]["both"] == ranks[1]["both"] == ranks[0]["alone"]
 
 
 def one_rank(data, rank, workers, epochs=2, **extra):

@@ -18,6 +18,8 @@ import torch
 
 import wdsvlm
 import wdsvlm.families.qwen
+from wdsvlm.errors import TemplateError
+from wdsvlm.families import family_of
 from wdsvlm.families.hf_processor import conversation, pixel_table
 from wdsvlm.families.inputs import normalise
 from wdsvlm.format.images import image_members, open_image
@@ -167,7 +169,7 @@ def test_a_processor_of_another_family_is_refused_naming_the_supported_ones():
         pass
 
     with pytest.raises(ValueError, match="Qwen2VLProcessor.*SmolVLMProcessor"):
-        wdsvlm.family_of(LlavaProcessor())
+        family_of(LlavaProcessor())
     with pytest.raises(TypeError, match="tokenizer.*or processor="):
         wdsvlm.Loader(EXAMPLE)
     with pytest.raises(ValueError, match="cannot load the processor '/no/such/processor'"):
@@ -236,10 +238,10 @@ def test_workers_start_with_the_processor_and_a_resumed_loader_goes_on_exactly()
 def test_the_public_stages_take_a_family_and_give_what_the_processor_gives(samples):
     import webdataset as wds
 
-    from wdsvlm import DecodeImages, Plan, ReadSamples, Tokenize, WorkerConfig
+    from wdsvlm.pipeline import DecodeImages, Plan, ReadSamples, Tokenize, WorkerConfig
 
     processor = tiny_processor("qwen3_vl")
-    family = wdsvlm.family_of(processor)
+    family = family_of(processor)
     pipe = wds.DataPipeline(
         Plan(EXAMPLE, worker_config=WorkerConfig()),
         ReadSamples(),
@@ -267,7 +269,7 @@ def test_the_public_stages_take_a_family_and_give_what_the_processor_gives(sampl
 
 
 def _encoded(family, messages, sizes=()):
-    from wdsvlm import Tokenize
+    from wdsvlm.pipeline import Tokenize
 
     sample = {
         "__key__": "k",
@@ -281,7 +283,7 @@ def _encoded(family, messages, sizes=()):
 
 def test_labels_are_the_answer_even_where_the_default_system_turn_holds_the_same_words():
     processor = tiny_processor("qwen2_5_vl")  # renders "You are a helpful assistant." first
-    family = wdsvlm.family_of(processor)
+    family = family_of(processor)
     messages = [
         {"role": "user", "content": "helpful"},
         {"role": "assistant", "content": "assistant."},
@@ -296,7 +298,7 @@ def test_labels_are_the_answer_even_where_the_default_system_turn_holds_the_same
 
 def test_an_image_inside_an_answer_and_an_empty_answer_are_labelled_as_text_only():
     processor = tiny_processor("qwen2_5_vl")
-    family = wdsvlm.family_of(processor)
+    family = family_of(processor)
     messages = [
         {"role": "user", "content": "Draw it."},
         {"role": "assistant", "content": "here <image> done"},
@@ -339,17 +341,17 @@ def test_a_chat_template_that_cannot_take_content_lists_is_refused_at_once():
     string_only = (
         "{% for m in messages %}{{ '<|im_start|>' + m['content'] + '<|im_end|>' }}{% endfor %}"
     )
-    with pytest.raises(wdsvlm.TemplateError, match="cannot render content lists"):
+    with pytest.raises(TemplateError, match="cannot render content lists"):
         wdsvlm.Loader(EXAMPLE, processor=processor, chat_template=string_only)
 
 
 def test_a_processor_setting_that_changes_the_tokens_changes_the_resume_fingerprint():
-    from wdsvlm import Tokenize
+    from wdsvlm.pipeline import Tokenize
 
     processor = tiny_processor("smolvlm")
-    before = Tokenize(family=wdsvlm.family_of(processor)).fingerprint()
+    before = Tokenize(family=family_of(processor)).fingerprint()
     processor.image_seq_len *= 4
-    assert Tokenize(family=wdsvlm.family_of(processor)).fingerprint() != before
+    assert Tokenize(family=family_of(processor)).fingerprint() != before
 
 
 def test_tiling_settings_given_with_a_processor_are_refused_not_ignored():

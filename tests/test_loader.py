@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import wdsvlm
+from wdsvlm.pipeline import ImageConfig
 
 from .conftest import EXAMPLE
 
@@ -44,7 +45,7 @@ def too_long(max_length, **image):
     """Keys whose tokens pass max_length, tokenized here apart from the Loader."""
     import webdataset as wds
 
-    from wdsvlm import ImageConfig, Plan, ReadSamples, Tokenize, WorkerConfig
+    from wdsvlm.pipeline import Plan, ReadSamples, Tokenize, WorkerConfig
 
     config = ImageConfig(image["tile_size"], image["max_image_side"])
     pipe = wds.DataPipeline(
@@ -128,7 +129,7 @@ def test_oversized_samples_are_dropped_and_reported():
     )
     batches = two_epochs(loader)
     index = json.load(open(os.path.join(EXAMPLE, "index.json")))
-    config = wdsvlm.ImageConfig(SMALL["tile_size"], SMALL["max_image_side"])
+    config = ImageConfig(SMALL["tile_size"], SMALL["max_image_side"])
     many_tiles = {
         f"{s['name']}/{e['key']}"
         for s in index["shards"]

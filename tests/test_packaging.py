@@ -9,6 +9,7 @@ import configparser
 import importlib.metadata
 import os
 import re
+import shutil
 import sys
 
 import pytest
@@ -139,3 +140,117 @@ def test_the_core_runs_without_the_extras(tmp_path):
     assert "samples" in run.stdout  # the table, without pictures
     # pictures asked for: one line says what to install
     assert run.stderr.strip().endswith("pip install 'wdsvlm[plots]'")
+
+
+# What a build leaves in a source tree, and what no wheel is built from.
+NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv", "__pycache__", "*.egg-info", "build", "dist", ".*_cache", ".hypothesis"
+)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(600)
+def test_a_wheel_installed_away_from_the_source_runs_the_tiny_processor_bench(tmp_path):
+    # Built from a copy (a build writes build/ and *.egg-info into its source tree), offline
+    # (no build isolation: the environment's setuptools), installed into a folder of its own.
+    source = tmp_path / "source"
+    shutil.copytree(REPO, source, ignore=NOT_SOURCE)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index"]
+    run = run_process([*build, "-w", str(tmp_path / "wheels"), str(source)], timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheels").glob("wdsvlm-*.whl")
+    site = tmp_path / "site"
+    install = [*pip, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)]
+    run = run_process(install, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    # The dataset without its tokenizer, and a working folder with nothing of the repository.
+    data = tmp_path / "data"
+    shutil.copytree(
+        os.path.join(REPO, "shards_example"), data, ignore=shutil.ignore_patterns("tokenizer")
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    args = ["bench", str(data), "--processor", "tiny:qwen2_vl", "--limit", "6"]
+    args += ["--workers", "0", "--batch-size", "2", "--max-length", "4096", "-q"]
+    code = (
+        "import sys, wdsvlm.tools.cli as cli; print('imported', cli.__file__); "
+        "sys.exit(cli.main(sys.argv[1:]))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "PYTHONNOUSERSITE": "1"}
+    run = run_process([sys.executable, "-c", code, *args], timeout=300, cwd=work, env=env)
+    assert run.stdout.startswith(f"imported {site / 'wdsvlm' / 'tools' / 'cli.py'}\n"), run.stdout
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "TinyQwen2VLProcessor" in run.stdout and "samples/s" in run.stdout, run.stdout
+
+
+PUBLIC = {
+    # the writer and the dataset's index
+    "write_dataset",
+    "WriteOptions",
+    "WriteSummary",
+    "index_tars",
+    "load_index",
+    "verify_dataset",
+    # the loader and what a training step calls on its batches
+    "Loader",
+    "LoaderSettings",
+    "Source",
+    "ReadPolicy",
+    "model_inputs",
+    "block_causal_mask",
+    # the errors a user catches
+    "WdsvlmError",
+    "BadInputError",
+    "DatasetExistsError",
+    "ShardFormatError",
+    "StorageError",
+    "TooManyFailuresError",
+}
+STAGES = {
+    "Plan",
+    "WorkerConfig",
+    "ReadSamples",
+    "Shuffle",
+    "ImageConfig",
+    "DecodeImages",
+    "Tokenize",
+    "SkipStats",
+    "Pack",
+    "Packer",
+    "Collate",
+}
+
+
+def test_the_package_exports_what_a_training_script_uses_and_the_stages_apart():
+    import wdsvlm
+    import wdsvlm.families
+    import wdsvlm.pipeline
+
+    for package, names in (
+        (wdsvlm, PUBLIC),
+        (wdsvlm.pipeline, STAGES),
+        (wdsvlm.families, {"family_of"}),
+    ):
+        assert len(package.__all__) == len(names) and set(package.__all__) == names
+        assert names <= set(dir(package)), names - set(dir(package))
+        for name in names:
+            value = getattr(package, name)
+            assert getattr(value, "__name__", name) == name, (package.__name__, name)
+    assert not STAGES & set(dir(wdsvlm)), "the stages are wdsvlm.pipeline's"
+    with pytest.raises(AttributeError, match="module 'wdsvlm' has no attribute 'Plan'"):
+        wdsvlm.Plan  # noqa: B018
+
+
+@pytest.mark.processes
+def test_importing_wdsvlm_and_its_writer_side_names_imports_no_torch():
+    code = (
+        "import sys, wdsvlm; names = dir(wdsvlm); "
+        "[getattr(wdsvlm, n) for n in ('write_dataset', 'WriteOptions', 'WriteSummary', "
+        "'load_index', 'verify_dataset', 'ReadPolicy', 'StorageError')]; "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert {'Loader', 'index_tars'} <= set(names), names"
+    )
+    run = run_process([sys.executable, "-c", code], timeout=60)
+    assert run.returncode == 0, run.stderr

@@ -11,7 +11,7 @@ import webdataset as wds
 
 from wdsvlm import load_index, write_dataset
 from wdsvlm.errors import TooManyFailuresError
-from wdsvlm.format.index import scan_index
+from wdsvlm.format.tarscan import scan_index
 from wdsvlm.pipeline.images import DecodeImages, ImageConfig
 from wdsvlm.pipeline.plan import Plan, WorkerConfig
 from wdsvlm.pipeline.read import ReadSamples

@@ -4,17 +4,23 @@ between the client and the S3 server."""
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
 import threading
 import time
 
+import aiohttp
+import botocore.exceptions
 import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 import wdsvlm
+from wdsvlm.errors import ObjectNotFoundError
+from wdsvlm.pipeline.order import span
+from wdsvlm.pipeline.read import ReadSamples
 from wdsvlm.storage.fs import ReadPolicy, is_transient, read_range
 
 from .conftest import EXAMPLE, run_cli
@@ -167,7 +173,7 @@ def test_a_missing_shard_fails_at_once_or_is_skipped_and_reported(s3_bucket):
     fs, path = fsspec.core.url_to_fs(bucket, **options)
     fs.rm_file(f"{path}/example/shapes-000001.tar")
     started = time.monotonic()
-    with pytest.raises(wdsvlm.ObjectNotFoundError, match=r"shapes-000001\.tar"):
+    with pytest.raises(ObjectNotFoundError, match=r"shapes-000001\.tar"):
         list(loader)
     assert time.monotonic() - started < 5  # no retries for a 404
     skipping = wdsvlm.Loader(
@@ -189,27 +195,35 @@ def test_a_missing_shard_fails_at_once_or_is_skipped_and_reported(s3_bucket):
     assert time.monotonic() - started < 10
 
 
+def local_files_under(scheme: str, before_request) -> None:
+    """Register ``scheme://``: local files, ``before_request(start, end)`` called before each
+    request (it may raise, as a network or a bug would)."""
+
+    class Local(LocalFileSystem):
+        protocol = (scheme,)
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return path.removeprefix(f"{scheme}://")
+
+        def cat_file(self, path, start=None, end=None, **kwargs):
+            before_request(start, end)
+            return super().cat_file(path, start=start, end=end, **kwargs)
+
+    fsspec.register_implementation(scheme, Local, clobber=True)
+
+
 def test_read_range_resumes_where_a_read_broke(tmp_path):
     data = os.urandom(300_000)
     (tmp_path / "blob").write_bytes(data)
     calls = []
 
-    class Flaky(LocalFileSystem):
-        """Local files whose every third request breaks."""
+    def every_third_breaks(start, end):
+        calls.append((start, end))
+        if len(calls) % 3 == 2:
+            raise ConnectionResetError("connection reset by peer")
 
-        protocol = ("flaky",)
-
-        @classmethod
-        def _strip_protocol(cls, path):
-            return path.removeprefix("flaky://")
-
-        def cat_file(self, path, start=None, end=None, **kwargs):
-            calls.append((start, end))
-            if len(calls) % 3 == 2:
-                raise ConnectionResetError("connection reset by peer")
-            return super().cat_file(path, start=start, end=end, **kwargs)
-
-    fsspec.register_implementation("flaky", Flaky, clobber=True)
+    local_files_under("flaky", every_third_breaks)
     policy = ReadPolicy(block_bytes=50_000, attempts=3, backoff=0.001)
     got = read_range(f"flaky://{tmp_path}/blob", 10, 290_000, None, policy)
     assert got == data[10:290_000]
@@ -235,6 +249,47 @@ def test_errors_are_told_apart():
 
     assert is_transient(Answer(503)) and is_transient(Answer(429))
     assert not is_transient(Answer(404)) and not is_transient(Answer(403))
+    # what s3fs makes of a 503 and of a 400; the network faults of its HTTP clients
+    assert is_transient(OSError(errno.EBUSY, "SlowDown")) and is_transient(OSError(errno.EIO, "?"))
+    assert not is_transient(OSError(errno.EINVAL, "InvalidRange"))
+    assert is_transient(aiohttp.ClientPayloadError("cut short"))
+    assert is_transient(aiohttp.ServerDisconnectedError())
+    assert is_transient(botocore.exceptions.ReadTimeoutError(endpoint_url="http://s3"))
+    # a bug is no network fault
+    for bug in (TypeError("x"), KeyError("etag"), AttributeError("read"), ValueError("x")):
+        assert not is_transient(bug)
+
+
+def test_a_bug_under_a_read_surfaces_at_once_while_a_network_fault_is_retried(tmp_path):
+    (tmp_path / "blob").write_bytes(b"x" * 1000)
+    calls, raising = [], []
+
+    def fails(start, end):
+        calls.append(start)
+        raise raising[0]
+
+    local_files_under("failing", fails)
+    url = f"failing://{tmp_path}/blob"
+    policy = ReadPolicy(attempts=4, backoff=0.001)
+    for bug in (TypeError("unsupported operand"), KeyError("ETag"), AttributeError("no read")):
+        calls.clear()
+        raising[:] = [bug]
+        with pytest.raises(type(bug)):
+            read_range(url, 0, 1000, None, policy)
+        assert len(calls) == 1, f"{bug!r} was asked for again"
+    # nor is a bug counted as an unreadable shard in skip mode: it is raised as it is
+    calls.clear()
+    raising[:] = [TypeError("unsupported operand")]
+    entries = [{"key": "k", "offset": 0, "size": 1000}]
+    read = ReadSamples(policy=policy, on_shard_error="skip", read_ahead=0)
+    with pytest.raises(TypeError):
+        list(read(iter([span(url, "blob", entries)])))
+    assert len(calls) == 1
+    calls.clear()
+    raising[:] = [ConnectionResetError("connection reset by peer")]
+    with pytest.raises(wdsvlm.StorageError, match="gave up at byte 0 after 4 attempts"):
+        read_range(url, 0, 1000, None, policy)
+    assert len(calls) == 4
 
 
 def test_a_shared_shard_cache_serves_later_epochs_from_disk_within_its_bound(
@@ -271,14 +326,10 @@ def test_worker_processes_fill_one_cache_together(s3_bucket, tmp_path):
     cache = {"cache_dir": str(tmp_path / "cache"), "num_workers": 2}
     shared = batches_of(f"{bucket}/example", options, **cache)
     assert shared == batches_of(EXAMPLE, num_workers=2)
-    assert sorted(os.listdir(tmp_path / "cache")) == sorted(
-        os.path.basename(
-            wdsvlm.storage.cache.ShardCache(str(tmp_path / "cache")).path(
-                f"{bucket}/example/{name}"
-            )
-        )
-        for name in os.listdir(EXAMPLE)
-        if name.endswith(".tar")
+    cached = wdsvlm.storage.cache.ShardCache(str(tmp_path / "cache"))
+    assert sorted(os.listdir(tmp_path / "cache")) == sorted(  # each shard once, by its sha256
+        os.path.basename(cached.path(shard["sha256"]))
+        for shard in wdsvlm.load_index(EXAMPLE)["shards"]
     )
 
 

@@ -17,8 +17,16 @@ import webdataset as wds
 from PIL import Image
 
 import wdsvlm
-from wdsvlm.format.layouts import Layout, split_name
-from wdsvlm.write.tarindex import BadSamplesError, index_tars
+from wdsvlm.errors import BadInputError
+from wdsvlm.format.layouts import (
+    TEXT_SUFFIXES,
+    BadSample,
+    Layout,
+    find_member,
+    image_suffixes,
+    split_name,
+)
+from wdsvlm.write.tarindex import index_tars
 
 from .conftest import EXAMPLE, make_image, run_cli, write_jsonl
 from .test_ddp import digest
@@ -183,6 +191,24 @@ def test_keys_follow_webdataset():
     assert split_name("noext") == ("noext", "")
 
 
+def test_a_members_part_is_its_last_extension_where_no_member_is_named_plainly():
+    assert image_suffixes(["edited.jpg", "edited.txt", "edited.json"]) == ["edited.jpg"]
+    assert image_suffixes(["jpg", "edited.jpg"]) == ["jpg"]  # the plain one is the image
+    assert image_suffixes(["1.png", "0.jpg", "edited.png"]) == ["0.jpg", "1.png"]
+    assert find_member(["edited.TXT", "jpg"], TEXT_SUFFIXES, "text") == "edited.TXT"
+    assert find_member(["edited.txt", "txt"], TEXT_SUFFIXES, "text") == "txt"
+    assert find_member(["a.caption", "b.txt"], TEXT_SUFFIXES, "text") == "b.txt"  # txt first
+    assert find_member(["jpg", "txt"], ("json",), "json") is None
+    for suffixes, names, kind in (
+        (["a.jpg", "b.png", "txt"], None, "images"),
+        (["a.txt", "b.txt", "jpg"], TEXT_SUFFIXES, "text"),
+        (["a.json", "b.json", "jpg"], ("json",), "json"),
+    ):
+        with pytest.raises(BadSample) as e:
+            image_suffixes(suffixes) if names is None else find_member(suffixes, names, kind)
+        assert e.value.reason == f"ambiguous_{kind}" and "a." in str(e.value)
+
+
 @pytest.fixture
 def odd_tars(tmp_path):
     """Hand-made caption tars: a key with an extra dotted member, upper-case extensions, an
@@ -223,12 +249,15 @@ def odd_tars(tmp_path):
 
 
 def test_bad_samples_stop_the_index_unless_skipped_and_are_listed(odd_tars):
-    with pytest.raises(BadSamplesError) as e:
+    with pytest.raises(BadInputError) as e:
         index_tars(odd_tars, format="captions", show_progress=False)
     message = str(e.value)
-    assert "part-0.tar key notext: missing_text" in message
-    assert "part-0.tar key badimage: unreadable_image" in message
-    assert "part-1.tar key last: truncated_tar" in message
+    assert "3 of 8 samples are bad; no index.json was written" in message
+    assert "part-0.tar key notext: no caption member" in message
+    assert "(missing_text)" in message
+    assert "part-0.tar key badimage: image jpg" not in message  # its image is a png
+    assert "part-0.tar key badimage: image png:" in message and "(unreadable_image)" in message
+    assert "part-1.tar key last: " in message and "(truncated_tar)" in message
     assert not os.path.exists(os.path.join(odd_tars, "index.json"))
     assert not [n for n in os.listdir(odd_tars) if n.endswith(".idx")]
 
@@ -264,6 +293,53 @@ def test_bad_samples_stop_the_index_unless_skipped_and_are_listed(odd_tars):
     }
     assert set(keys) <= {"000000005", "later", "shouting", "turned"}
     assert sorted(one_pass(odd_tars)[1]) == ["000000005", "later", "shouting", "turned"]
+
+
+def test_dotted_members_play_the_part_of_their_last_extension(tmp_path):
+    """``KEY.edited.jpg``, ``KEY.edited.txt``, ``KEY.edited.json``: webdataset's key is
+    ``KEY`` and its decoders go by the last extension; with no plain ``jpg``/``txt``/``json``
+    beside them they are the sample's image, caption and conversation. Two members that could
+    each be the one are still refused."""
+    samples, records, root = caption_records(tmp_path, n=8)
+    captions = tmp_path / "captions"
+    captions.mkdir()
+    with tarfile.open(captions / "data-000000.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+        for sample in samples:
+            key = sample["__key__"]
+            ext = "png" if "png" in sample else "jpg"
+            member(tar, f"{key}.edited.{ext}", sample[ext])
+            member(tar, f"{key}.edited.txt", sample["txt"].encode())
+            member(tar, f"{key}.edited.json", b'{"url": "http://example.invalid/x"}')
+        member(tar, "twoimages.a.jpg", jpeg((20, 20)))
+        member(tar, "twoimages.b.jpg", jpeg((20, 20)))
+        member(tar, "twoimages.txt", b"which picture?")
+        member(tar, "twotexts.jpg", jpeg((20, 20)))
+        member(tar, "twotexts.a.txt", b"one caption")
+        member(tar, "twotexts.b.txt", b"another")
+    summary = index_tars(str(captions), skip_bad=True, show_progress=False)
+    assert summary.layout == "captions" and "edited." in summary.detected
+    assert summary.samples == 8
+    assert summary.skipped == {"ambiguous_images": 1, "ambiguous_text": 1}
+    ref = str(tmp_path / "captions-ref")
+    records_file = write_jsonl(str(tmp_path / "captions.jsonl"), records)
+    wdsvlm.write_dataset(records_file, ref, image_root=root, progress=False)
+    got, keys = one_pass(str(captions))
+    assert got == one_pass(ref)[0]  # the same batches as the same data written by wdsvlm
+    assert sorted(keys) == [s["__key__"] for s in samples]
+
+    conversations = tmp_path / "conversations"
+    conversations.mkdir()
+    with tarfile.open(conversations / "data-000000.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+        for record, sample in zip(records, samples, strict=True):
+            image = record["image"]
+            doc = {"conversations": record["conversations"]}
+            member(tar, f"{record['id']}.edited.json", json.dumps(doc).encode())
+            member(tar, f"{record['id']}.edited.{image.rsplit('.', 1)[1]}", sample[image[-3:]])
+    summary = index_tars(str(conversations), show_progress=False)
+    assert summary.layout == "conversations" and summary.samples == 8 and not summary.skipped
+    got, keys = one_pass(str(conversations))
+    assert got == one_pass(ref)[0]
+    assert sorted(keys) == [r["id"] for r in records]
 
 
 def test_conversations_in_json_with_numbered_images_read_as_wdsvlm_write_would(tmp_path):

@@ -4,14 +4,17 @@ image placeholders, and feeds a tiny model; packed rows equal the samples run on
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from wdsvlm.testing import tiny
+from wdsvlm.testing import tokenizer
 from wdsvlm.testing.tiny import FAMILIES, tiny_model, tiny_processor
+
+from .conftest import EXAMPLE
 
 CONVERSATION = [
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
@@ -164,6 +167,14 @@ def test_processor_pickles_and_refuses_videos():
 def test_unknown_family_and_missing_tokenizer(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="unknown family"):
         tiny_processor("llava")
-    monkeypatch.setattr(tiny, "TOKENIZER_DIR", tmp_path)
-    with pytest.raises(FileNotFoundError, match="source checkout"):
+    monkeypatch.setattr(tokenizer, "TOKENIZER_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="lacks its package data"):
         tiny_processor("smolvlm")
+
+
+def test_the_shipped_tokenizer_is_the_one_trained_on_shards_example():
+    # A copy (package data, so that wdsvlm.testing works from a wheel) that must not drift:
+    # whoever remakes shards_example/tokenizer copies it to wdsvlm/testing/example_tokenizer.
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shipped = (tokenizer.TOKENIZER_DIR / name).read_bytes()
+        assert shipped == (Path(EXAMPLE) / "tokenizer" / name).read_bytes(), name

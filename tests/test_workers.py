@@ -201,3 +201,109 @@ def test_the_settings_are_frozen_and_hashable():
     assert hash(settings) == hash(wdsvlm.LoaderSettings(storage_options={"anon": False}))
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.max_length = 1
+
+
+TRAINER = f"""
+import json, os, time
+import wdsvlm
+
+{{helpers}}
+
+def main():
+    loader = wdsvlm.Loader({EXAMPLE!r}, {TOKENIZER!r}, num_workers=2, batches_per_epoch=40,
+                           max_length=256, batch_size=2, tile_size=32, max_image_side=64)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    print(json.dumps(descendants(os.getpid())), flush=True)
+    time.sleep(600)  # until killed
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def started_at(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot; with the pid, what tells it from
+    a later process given the same pid), or None when no such process runs (a zombie is done)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None if fields[0] in "ZX" else int(fields[19])
+
+
+def descendants(pid: int) -> dict[int, int]:
+    """Every process below ``pid`` (children, theirs, ...), as ``{pid: started_at}``."""
+    children: dict[int, list[int]] = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue  # not a process, or one that just ended
+        children.setdefault(parent, []).append(int(name))
+    found, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = started_at(child)
+            todo.append(child)
+    return {p: t for p, t in found.items() if t is not None}
+
+
+def still_running(processes: dict[int, int]) -> list[int]:
+    return [pid for pid, t in processes.items() if started_at(pid) == t]
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_fork_server_and_workers_exit_when_the_training_process_is_killed(tmp_path):
+    """A training process killed outright (SIGKILL, the OOM killer) leaves no process behind:
+    its fork server, the workers forked from it and the resource trackers all exit."""
+    import select
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "train.py"
+    import inspect
+
+    helpers = "\n\n".join(inspect.getsource(f) for f in (started_at, descendants))
+    script.write_text(TRAINER.format(helpers=helpers))
+    with open(tmp_path / "stderr", "w+") as stderr:
+        trainer = subprocess.Popen(
+            [sys.executable, str(script)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,  # its group: whatever the test leaves is killed with it
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        left: dict[int, int] = {}
+        try:
+            ready, _, _ = select.select([trainer.stdout], [], [], 120)
+            line = trainer.stdout.readline() if ready else ""
+            stderr.seek(0)
+            assert line, f"the training process printed nothing in 120 s:\n{stderr.read()[-3000:]}"
+            left = {int(pid): t for pid, t in json.loads(line).items()}
+            assert len(left) >= 3, f"expected a fork server and 2 workers, found {left}"
+            os.kill(trainer.pid, signal.SIGKILL)
+            trainer.wait(timeout=30)
+            deadline = time.monotonic() + 20
+            while still_running(left) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not still_running(left), (
+                f"still running 20 s after the training process was killed: "
+                f"{still_running(left)} of {sorted(left)}"
+            )
+        finally:
+            for pid in still_running(left):
+                os.kill(pid, signal.SIGKILL)
+            try:
+                os.killpg(trainer.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            trainer.kill()
+            trainer.wait()

@@ -14,6 +14,7 @@ import webdataset as wds
 from wdsvlm import BadInputError, DatasetExistsError, load_index, verify_dataset, write_dataset
 from wdsvlm.format.sidecar import Entries
 from wdsvlm.storage.fs import filesystem
+from wdsvlm.write import engines, shards
 from wdsvlm.write import writer as write_module
 
 from .conftest import decode, make_image, read_image_bytes, write_jsonl
@@ -242,7 +243,7 @@ def test_a_failure_mid_write_leaves_no_index_and_no_partial_shard(
 ):
     path, root, _ = llava_input
     out = str(tmp_path / "ds")
-    real = write_module.stored_bytes
+    real = shards.stored_bytes
     calls = []
 
     def failing(data, info):
@@ -251,7 +252,7 @@ def test_a_failure_mid_write_leaves_no_index_and_no_partial_shard(
             raise OSError("disk full (simulated)")
         return real(data, info)
 
-    monkeypatch.setattr(write_module, "stored_bytes", failing)
+    monkeypatch.setattr(shards, "stored_bytes", failing)
     with pytest.raises(OSError, match="disk full"):
         write_dataset(path, out, image_root=root, samples_per_shard=3, progress=False)
     names = os.listdir(out)
@@ -344,7 +345,7 @@ def test_shards_are_written_as_the_records_come_not_after_all_are_read(
 ):
     path, root, _ = llava_input
     checked, seen_at_write = [], []
-    real_check, real_write = write_module.check_record, write_module.write_shard
+    real_check, real_write = engines.check_record, write_module.write_shard
 
     def counting_check(record, **kw):
         checked.append(1)
@@ -354,7 +355,7 @@ def test_shards_are_written_as_the_records_come_not_after_all_are_read(
         seen_at_write.append(len(checked))
         return real_write(plan, **kw)
 
-    monkeypatch.setattr(write_module, "check_record", counting_check)
+    monkeypatch.setattr(engines, "check_record", counting_check)
     monkeypatch.setattr(write_module, "write_shard", noting_write)
     out = str(tmp_path / "ds")
     write_dataset(path, out, image_root=root, samples_per_shard=2, progress=False)

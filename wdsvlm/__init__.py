@@ -1,71 +1,50 @@
 """wdsvlm: WebDataset shards in, dense packed batches out, for vision-language-model training.
 
-The writer side (``write_dataset``, ``load_index``, ...) imports no torch; the pipeline stages
-(``Plan``, ``ReadSamples``, ``Shuffle``, ``DecodeImages``, ``Tokenize``, ...) are imported on
-first use.
+Here is what a training script uses: the writer (``write_dataset``, ``index_tars``), the
+dataset's index (``load_index``, ``verify_dataset``), the ``Loader`` and its settings, what a
+training step calls on a batch (``model_inputs``, ``block_causal_mask``) and the errors worth
+catching. The pipeline stages are in ``wdsvlm.pipeline``, the model families in
+``wdsvlm.families``, every error in ``wdsvlm.errors``. Names are imported on first use: the
+writer's side imports no torch.
 """
-
-from importlib import import_module
 
 from .errors import (
     BadInputError,
     DatasetExistsError,
-    InputError,
-    ObjectNotFoundError,
     ShardFormatError,
     StorageError,
-    TemplateError,
     TooManyFailuresError,
     WdsvlmError,
 )
-from .format.index import load_index, verify_dataset
-from .write.writer import WriteOptions, WriteSummary, write_dataset
+from .lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "Plan": "pipeline.plan",
-    "Source": "pipeline.sources",
-    "WorkerConfig": "pipeline.plan",
-    "ReadSamples": "pipeline.read",
-    "Shuffle": "pipeline.shuffle",
-    "DecodeImages": "pipeline.images",
-    "ImageConfig": "families.tiling",
-    "Tokenize": "pipeline.tokenize",
-    "SkipStats": "pipeline.stats",
-    "Pack": "pipeline.pack",
-    "Packer": "pipeline.pack",
-    "Collate": "pipeline.collate",
-    "block_causal_mask": "pipeline.collate",
-    "Loader": "loader.loader",
-    "model_inputs": "families.inputs",
-    "family_of": "families.registry",
-    "LoaderSettings": "loader.settings",
-    "ReadPolicy": "storage.fs",
-    "ShardCache": "storage.cache",
+_HOMES = {
+    "write_dataset": ".write.writer",
+    "WriteOptions": ".write.writer",
+    "WriteSummary": ".write.writer",
+    "index_tars": ".write.tarindex",
+    "load_index": ".format.index",
+    "verify_dataset": ".format.index",
+    "Loader": ".loader.loader",
+    "LoaderSettings": ".loader.settings",
+    "Source": ".pipeline.sources",
+    "ReadPolicy": ".storage.fs",
+    "model_inputs": ".families.inputs",
+    "block_causal_mask": ".pipeline.collate",
 }
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module 'wdsvlm' has no attribute {name!r}")
-
+__getattr__, __dir__ = lazy_exports(globals(), _HOMES)
 
 __all__ = [
+    *_HOMES,
+    # what a user acts on: a dataset that is there already, bad input records, a dataset or
+    # bucket that fails, a stream of samples that keep failing
+    "WdsvlmError",
     "BadInputError",
     "DatasetExistsError",
-    "InputError",
-    "ObjectNotFoundError",
     "ShardFormatError",
     "StorageError",
-    "TemplateError",
     "TooManyFailuresError",
-    "WdsvlmError",
-    "WriteOptions",
-    "WriteSummary",
-    "load_index",
-    "verify_dataset",
-    "write_dataset",
-    *_LAZY,
 ]

@@ -12,33 +12,52 @@ class WdsvlmError(Exception):
 
 
 class InputError(WdsvlmError):
-    """An input record of the writer is bad (invalid JSON, missing image, ...).
+    """An input record of the writer, or a sample of a tar being indexed, is bad (invalid
+    JSON, missing image, ...).
 
-    ``where`` names the record (file, line or position, id), ``reason`` is a short code that
-    skip counts are grouped by.
+    ``where`` names the record (file, line or position, id) or sample (shard and key),
+    ``reason`` is a short code that skip counts are grouped by. ``fields`` names it in the
+    list of skipped ones where ``where`` alone would not do (a tar sample: its ``shard`` and
+    ``key``); by default that list says ``where``.
     """
 
-    def __init__(self, where: str, reason: str, message: str):
+    def __init__(self, where: str, reason: str, message: str, fields: dict[str, str] | None = None):
         super().__init__(f"{where}: {message}")
         self.where = where
         self.reason = reason
         self.message = message
+        self.fields = dict(fields) if fields else {"where": where}
 
-    def __reduce__(self):  # cross process boundaries with all three fields
-        return (type(self), (self.where, self.reason, self.message))
+    def __reduce__(self):  # cross process boundaries with every field
+        return (type(self), (self.where, self.reason, self.message, self.fields))
+
+    def listed(self) -> dict:
+        """Its line in the list of skipped records or samples."""
+        return {**self.fields, "reason": self.reason, "message": self.message}
 
 
 class BadInputError(WdsvlmError):
-    """The writer found bad records and was not asked to skip them; nothing was written."""
+    """Bad input records (``wdsvlm write``) or tar samples (``wdsvlm index``) were found
+    and skipping them was not asked for: the run stopped without its index.
 
-    def __init__(self, errors: list[InputError], total: int, shown: int = 10):
-        lines = [str(e) for e in errors[:shown]]
+    ``errors`` holds each one's ``InputError``; the message names the first ``shown`` of them
+    with their reasons. ``items`` says what was read (``input records``, ``samples``),
+    ``outcome`` what that left and how to go on.
+    """
+
+    def __init__(
+        self,
+        errors: list[InputError],
+        total: int,
+        *,
+        items: str,
+        outcome: str,
+        shown: int = 10,
+    ):
+        lines = [f"{e.where}: {e.message} ({e.reason})" for e in errors[:shown]]
         more = f"\n  ... and {len(errors) - shown} more" if len(errors) > shown else ""
         super().__init__(
-            f"{len(errors)} of {total} input records are bad; nothing was written "
-            "(pass --skip-bad / skip_bad=True to skip them and list them in skipped.jsonl):\n  "
-            + "\n  ".join(lines)
-            + more
+            f"{len(errors)} of {total} {items} are bad; {outcome}:\n  " + "\n  ".join(lines) + more
         )
         self.errors = errors
 

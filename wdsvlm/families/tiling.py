@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..families.base import decode_each
+from ..format.conversation import IMAGE_MARKER
 from ..format.images import open_image
-from ..write.inputs import IMAGE_MARKER
 
 if TYPE_CHECKING:
     import torch

@@ -1,7 +1,8 @@
 """The shard format's table of contents: ``index.json``, and the names it gives things.
 
 See README.md ("Shard format") for the layout. The index is what makes exact splitting,
-``len()``, resume and planning possible without reading the data.
+``len()``, resume and planning possible without reading the data. This module reads and
+checks an index; ``builder`` makes one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import ShardFormatError, StorageError
+from ..errors import ShardFormatError
 from ..storage.fs import filesystem, join, read_bytes
 
 FORMAT = "wdsvlm"
@@ -20,6 +21,10 @@ VERSION = 2  # written; version 1 (every sample's entry in index.json) is still 
 READABLE = (1, 2)
 INDEX_NAME = "index.json"
 SKIPPED_NAME = "skipped.jsonl"
+"""The writer's list of the bad records it skipped."""
+INDEX_SKIPPED_NAME = "index-skipped.jsonl"
+"""``wdsvlm index``'s list of the bad samples it skipped: a name apart, so that indexing the
+tars of a written dataset again leaves the writer's list as it was."""
 
 
 def shard_name(prefix: str, number: int) -> str:
@@ -168,67 +173,3 @@ def _verify_sidecar(source: str, shard: dict, storage_options) -> None:
     ends = entries.offset + entries.size
     if len(entries) and (entries.offset.min() < 0 or ends.max() > shard["bytes"]):
         raise ShardFormatError(f"{url}: a sample lies outside its shard's {shard['bytes']} bytes")
-
-
-def upgrade_dataset(
-    source: str, storage_options: Mapping[str, Any] | None = None
-) -> tuple[int, dict]:
-    """Turn the version-1 index of ``source`` into version 2 without touching its tars: each
-    shard's sidecar is written beside it, then ``index.json`` is replaced (last, so a reader
-    sees the old index or the new one). Returns the version found and the index now."""
-    from ..format.sidecar import pack_entries, sidecar_name
-    from ..storage.fs import publish_bytes
-
-    index = load_index(source, storage_options)
-    before = index["version"]
-    if before == VERSION:
-        return before, index
-    shards = []
-    for shard in index["shards"]:
-        entries = shard.pop("entries")
-        data = pack_entries(entries)
-        name = sidecar_name(shard["name"])
-        publish_bytes(data, join(source, name), storage_options)
-        shards.append({**shard, "sidecar": sidecar_entry(name, data), **shard_summary(entries)})
-    upgraded = {**index, "version": VERSION, "shards": shards}
-    publish_bytes(dumps_index(upgraded), join(source, INDEX_NAME), storage_options)
-    return before, load_index(source, storage_options)
-
-
-def scan_index(urls: list[str], storage_options: Mapping[str, Any] | None = None) -> dict:
-    """Build the index of wdsvlm-format shards that have none, in memory, by reading them
-    once (``tarindex.scan_tar``). ``wdsvlm index`` writes one once, for any layout; this is
-    for shards in wdsvlm's own layout met without it. A bad sample is a ``ShardFormatError``
-    naming the shard and the sample."""
-    from ..format.layouts import Layout
-    from ..write.tarindex import scan_tar
-
-    shards = []
-    for url in urls:
-        try:
-            scanned = scan_tar(url, Layout(), storage_options)
-        except StorageError as e:
-            raise ShardFormatError(str(e)) from None
-        if scanned["bad"]:
-            bad = scanned["bad"][0]
-            raise ShardFormatError(
-                f"{url}: cannot scan it for an index (key {bad['key']}: {bad['reason']}: "
-                f"{bad['message']}); index the tars with `wdsvlm index` (captions or "
-                "conversations layouts too), or write the dataset with `wdsvlm write`"
-            )
-        shards.append(
-            {
-                "name": url.rsplit("/", 1)[-1],
-                "samples": len(scanned["entries"]),
-                "bytes": scanned["bytes"],
-                "sha256": scanned["sha256"],
-                "entries": scanned["entries"],
-            }
-        )
-    samples = sum(s["samples"] for s in shards)
-    return {
-        "format": FORMAT,
-        "version": 1,  # in memory: the entries in the index
-        "shards": shards,
-        "totals": {"shards": len(shards), "samples": samples},
-    }

@@ -13,7 +13,11 @@ Keys and suffixes follow webdataset: a member's key is its path up to the first 
 base name, the rest is its suffix (``000005.edited.jpg``: key ``000005``, suffix
 ``edited.jpg``); suffixes match case-insensitively. A sample's images are its one bare image
 suffix (``jpg``, ``png``, ``webp``, ...) or its numbered ones (``0.jpg``, ``1.png``, ...) in
-number order; other members are left alone.
+number order; its text and JSON members are the ones of those suffixes. Where no member has
+such a suffix, a member plays the part its last extension names, as webdataset's decoders
+read it (``edited.jpg`` an image, ``edited.txt`` a caption, ``edited.json`` the JSON), if it
+is the only one of that kind (two ``*.jpg`` then: ``ambiguous_images``). Other members are
+left alone.
 
 ``Layout.convert`` turns a sample's members into wdsvlm's own (``json`` and ``0.jpg``...), which
 is what the reader hands the rest of the pipeline, so every stage reads one layout.
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError
+from .conversation import IMAGE_MARKER, conversation_of, place_images
 
 LAYOUTS = ("wdsvlm", "captions", "conversations")
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
@@ -78,17 +83,47 @@ def image_suffixes(suffixes: Sequence[str]) -> list[str]:
     numbered.sort()
     if len({n for n, _ in numbered}) != len(numbered):
         raise BadSample("ambiguous_images", f"two images share a number: {suffixes}")
-    return bare or [s for _, s in numbered]
+    if bare or numbered:
+        return bare or [s for _, s in numbered]
+    return _by_last_extension(suffixes, IMAGE_EXTENSIONS, "images")
 
 
 def image_extension(suffix: str) -> str:
-    ext = suffix.rsplit(".", 1)[-1].lower()
+    ext = _last_extension(suffix)
     return "jpg" if ext == "jpeg" else ext
 
 
-def _find(members: Mapping[str, bytes], names: Sequence[str]) -> str | None:
-    lowered = {s.lower(): s for s in members}
-    return next((lowered[n] for n in names if n in lowered), None)
+def find_member(suffixes: Sequence[str], names: Sequence[str], kind: str) -> str | None:
+    """The member playing the part of ``names`` (suffixes, the first found wins): the one
+    whose suffix is one of them, else the only one whose last extension is (see the module);
+    ``None`` if there is none. ``kind`` names the part in the ``BadSample`` of two such
+    (``ambiguous_{kind}``)."""
+    lowered = {s.lower(): s for s in suffixes}
+    found = next((lowered[n] for n in names if n in lowered), None)
+    if found is not None:
+        return found
+    for name in names:
+        dotted = _by_last_extension(suffixes, (name,), kind)
+        if dotted:
+            return dotted[0]
+    return None
+
+
+def _by_last_extension(suffixes: Sequence[str], names: Sequence[str], kind: str) -> list[str]:
+    """The one dotted suffix (``edited.jpg``) whose last extension is among ``names``, as a
+    list (empty if there is none); ``BadSample`` if there are more."""
+    dotted = [s for s in suffixes if "." in s and _last_extension(s) in names]
+    if len(dotted) > 1:
+        raise BadSample(
+            f"ambiguous_{kind}",
+            f"members {sorted(dotted)} each end in {'/'.join(names)} and none is named "
+            f"{names[0]} plainly: which one is meant is not clear",
+        )
+    return dotted
+
+
+def _last_extension(suffix: str) -> str:
+    return suffix.rsplit(".", 1)[-1].lower()
 
 
 @dataclass(frozen=True)
@@ -144,10 +179,8 @@ class Layout:
     def messages(self, key: str, members: Mapping[str, bytes], n_images: int) -> list[dict]:
         """The sample's conversation, ``<image>`` markers in place; ``BadSample`` if there
         is none."""
-        from ..write.inputs import conversation_of, place_images
-
         if self.name == "captions":
-            found = _find(members, self.text)
+            found = find_member(list(members), self.text, "text")
             if found is None:
                 raise BadSample(
                     "missing_text",
@@ -158,9 +191,9 @@ class Layout:
                 raise BadSample("missing_text", f"its {found} member is empty")
             if not n_images:
                 raise BadSample("missing_image", f"no image member among {sorted(members)}")
-            prompt = "<image>" * n_images + "\n" + self.prompt(key)
+            prompt = IMAGE_MARKER * n_images + "\n" + self.prompt(key)
             return [{"role": "user", "content": prompt}, {"role": "assistant", "content": caption}]
-        found = _find(members, ("json",))
+        found = find_member(list(members), ("json",), "json")
         if found is None:
             raise BadSample("missing_json", f"no json member among {sorted(members)}")
         try:
@@ -203,19 +236,20 @@ def detect(samples: Sequence[Mapping[str, bytes]]) -> tuple[str, str]:
     """The layout of samples given by their members (suffix -> bytes), and why: what was
     found in them. Raises ``ValueError`` when no layout fits."""
     for members in samples:
-        lowered = {s.lower() for s in members}
+        suffixes = list(members)
         try:
-            images = image_suffixes(list(members))
+            images = image_suffixes(suffixes)
+            text = find_member(suffixes, TEXT_SUFFIXES, "text")
+            found = find_member(suffixes, ("json",), "json")
         except BadSample:
             continue
-        text = next((t for t in TEXT_SUFFIXES if t in lowered), None)
-        if "json" in lowered:
+        if found is not None:
             try:
-                doc = json.loads(members[_find(members, ("json",))])
+                doc = json.loads(members[found])
             except (json.JSONDecodeError, UnicodeDecodeError):
                 doc = None
             if isinstance(doc, dict):
-                if "messages" in doc and "id" in doc and "source" in doc:
+                if "messages" in doc and "id" in doc and "source" in doc and "." not in found:
                     numbered = all(_NUMBERED.fullmatch(s) for s in images)
                     if numbered:
                         return "wdsvlm", "a json member with wdsvlm's id/source/messages"

@@ -32,9 +32,14 @@ from ..loader.settings import (
     signature_with_settings,
     upgrade_state,
 )
-from ..loader.sizing import agreed, estimate_batches
+from ..loader.sizing import estimate_batches
 from ..loader.stream import STATE_KEY, STATS_KEY, Stream, fresh_state
-from ..loader.workers import check_context, check_main_guarded, worker_context
+from ..loader.workers import (
+    check_context,
+    check_main_guarded,
+    exit_with_training_process,
+    worker_context,
+)
 from ..pipeline.collate import Collate
 from ..pipeline.pack import BalanceBatches, Pack, tiles_cv
 from ..pipeline.plan import Plan, WorkerConfig
@@ -149,6 +154,7 @@ class Loader:
             context = check_context(settings.multiprocessing_context)
             check_main_guarded(context)  # before a fork server starts, not in each worker
             self.dataloader_options["prefetch_factor"] = settings.prefetch_factor or 2
+            self.dataloader_options["worker_init_fn"] = exit_with_training_process
             preload = [type(tok).__module__, *self.family.modules]
             self.dataloader_options["multiprocessing_context"] = worker_context(
                 context, tuple(preload)
@@ -167,8 +173,8 @@ class Loader:
         # a multiple of the workers, so that each gives the same number of batches an epoch
         # and none falls behind the others epoch after epoch
         workers = self.worker_config.workers_per_rank
-        estimate = settings.batches_per_epoch or agreed(
-            estimate_batches(self.plan, self.tokenize, self.pack, settings, self.worker_config)
+        estimate = settings.batches_per_epoch or estimate_batches(
+            self.plan, self.tokenize, self.pack, settings, self.worker_config
         )
         self._batches_per_epoch = -(-estimate // workers) * workers
         self.stream = Stream(
@@ -270,13 +276,16 @@ class Loader:
         return self._batches_per_epoch
 
     def _dataset_id(self) -> str:
-        """The sources' shards and each source's share of a pass."""
+        """The sources' shards (names, samples, bytes, sha256) and each source's share of a pass."""
         sources = [
             [
                 s.name,
                 s.copies,
                 s.extra,
-                [[h["name"], h["samples"], h.get("bytes")] for h in s.index["shards"]],
+                [
+                    [h["name"], h["samples"], h.get("bytes"), h.get("sha256")]
+                    for h in s.index["shards"]
+                ],
             ]
             for s in self.plan.sources
         ]

@@ -3,7 +3,12 @@
 ``len(loader)`` must be known before anything is read, on every rank alike, or DDP hangs
 when one rank runs out of batches first. It is estimated from the sources' indexes (image
 tokens and tiles exactly, from the image sizes; text tokens from the characters, at the
-characters per token measured on a few samples) and agreed once through the process group.
+characters per token measured on a few samples). It is a function of the index and the
+settings alone, worked out alike on every rank with no collective call (a Loader may be built
+on some ranks only: an evaluation loader on rank 0): the same shards are measured on every
+rank, whatever its rank. A fault that every rank meets alike (a missing or malformed sidecar,
+an unreadable sample) leaves the same part out everywhere; a read that gave up on transient
+faults, which another rank may not have met, is an error instead of a silently different length.
 """
 
 from __future__ import annotations
@@ -16,26 +21,33 @@ from typing import Any
 
 from ..errors import ShardFormatError, StorageError
 from ..format.images import UnusableImage
-from ..pipeline.plan import Plan, WorkerConfig, span
+from ..pipeline.order import span
+from ..pipeline.plan import Plan, WorkerConfig
 from ..pipeline.read import ReadSamples
 from ..pipeline.stats import SkipStats
+from ..storage.fs import is_transient
 
 log = logging.getLogger("wdsvlm.sizing")
 
 
-def agreed(value: int) -> int:
-    """Rank 0's ``value`` on every rank when a process group is up (one broadcast at set-up):
-    the batches of an epoch must be the same number everywhere, even if one rank's estimate
-    met a read fault."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return value
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return int(box[0])
+def met_alike(error: Exception) -> bool:
+    """Whether every rank meets ``error`` too when it reads the same thing: a malformed or
+    missing file, refused access. Not so a read given up after transient faults (timeouts,
+    resets, throttling), which may have gone through on another rank."""
+    if isinstance(error, ShardFormatError):
+        return True
+    cause = error.__cause__
+    return cause is None or not is_transient(cause)
+
+
+def unequal_estimate(what: str, error: Exception) -> StorageError:
+    """The error for a read fault that another rank may not have met: left out of the
+    estimate on this rank only, it would make this rank's epochs another length."""
+    return StorageError(
+        f"len(loader) cannot be estimated: {what} could not be read ({error}); a rank that "
+        "read it would count another epoch length, and DDP would hang at the end of an "
+        "epoch. Try again, or pass batches_per_epoch="
+    )
 
 
 def estimate_batches(
@@ -48,7 +60,8 @@ def estimate_batches(
     are left out, packs are taken as 97% full of tokens and of tiles, and each worker gets one
     batch more for the packs left at the end of a pass. A source of more than
     ``MEASURED_SHARDS`` shards is measured on that many, spread evenly, and scaled to its
-    size (its other sidecars are not read). Every rank computes the same number."""
+    size (its other sidecars are not read). Every rank computes the same number, with no
+    collective call."""
     every = [  # (times a pass holds it, source, shard, entry) of the measured shards
         (source.per_pass / source.size * scale, source, s, entry)
         for source in plan.sources
@@ -88,9 +101,11 @@ MEASURED_SHARDS = 64
 
 def measured_shards(source: Any) -> list[tuple[int, float, list]]:
     """``(shard number, scale, its entries)`` of the shards that stand for the source in the
-    estimate: all of them (scale 1), or ``MEASURED_SHARDS`` spread evenly, scaled up to the
-    source's sample count. A shard whose sidecar cannot be read is left out (reading it will
-    count its samples as skipped, or fail, as ``on_shard_error`` says)."""
+    estimate: all of them (scale 1), or ``MEASURED_SHARDS`` spread evenly over the index's
+    shard list (the same ones on every rank), scaled up to the source's sample count. A shard
+    whose sidecar is missing or malformed is left out (reading it will count its samples as
+    skipped, or fail, as ``on_shard_error`` says); one that could not be read for transient
+    faults is an error (``met_alike``)."""
     shards = source.index["shards"]
     if len(shards) <= MEASURED_SHARDS:
         picked = list(range(len(shards)))
@@ -102,6 +117,8 @@ def measured_shards(source: Any) -> list[tuple[int, float, list]]:
         try:
             readable.append((s, list(shards[s]["entries"])))
         except (ShardFormatError, StorageError) as e:
+            if not met_alike(e):
+                raise unequal_estimate(f"the sidecar of shard {shards[s]['name']}", e) from e
             log.warning("len(loader) is estimated without shard %s: %s", shards[s]["name"], e)
     held = sum(len(entries) for _, entries in readable)
     scale = source.size / held if held else 0.0
@@ -111,7 +128,8 @@ def measured_shards(source: Any) -> list[tuple[int, float, list]]:
 def characters_per_token(chosen: list[tuple], tokenize: Any, settings: Any) -> float:
     """Characters of text (the index's ``chars``) per text token, template included,
     measured on the ``(times, source, shard number, entry)`` of ``chosen``; 3.5 when none of
-    them can be read."""
+    them can be read. A sample that cannot be read is left out if every rank fails on it
+    alike (``met_alike``)."""
     spans = [
         span(
             source.urls[s],
@@ -124,11 +142,19 @@ def characters_per_token(chosen: list[tuple], tokenize: Any, settings: Any) -> f
     ]
     quiet = SkipStats()  # a bad sample here is found again, and counted, when it is read
     read = ReadSamples(
-        settings.storage_options, stats=quiet, policy=settings.read_policy, on_shard_error="skip"
+        settings.storage_options, stats=quiet, policy=settings.read_policy, read_ahead=0
     )
+
+    def samples_of(one: dict) -> list[dict]:
+        try:
+            return list(read(iter([one])))
+        except StorageError as e:
+            if not met_alike(e):
+                raise unequal_estimate(f"a sample of {one['url']}", e) from e
+            return []
+
     with ThreadPoolExecutor(8) as pool:  # small reads: at once, not one round trip each
-        parts = pool.map(lambda part: list(read(iter(part))), [spans[i::8] for i in range(8)])
-        samples = [s for part in parts for s in part]
+        samples = [s for part in pool.map(samples_of, spans) for s in part]
     tokenize = copy.copy(tokenize)
     tokenize.stats = quiet
     chars = text = 0

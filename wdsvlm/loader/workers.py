@@ -11,20 +11,34 @@ So workers start from a ``forkserver`` by default: a process started once (fork 
 is safe from a threaded process) that imports the pipeline's modules, runs no thread, and
 forks each worker. ``"spawn"`` works too (each worker imports everything itself);
 ``"fork"`` is allowed for those who know their process holds no thread at worker start.
+
+A fork server's workers must also end with the training process, which is not their parent.
+multiprocessing hands every process the fork server starts the write end of the server's
+"alive" pipe (so that such a process could start more through the same server), and the
+server exits only once every copy is closed; torch's watchdog in each worker checks that its
+parent, the fork server, lives. So a training process killed outright (SIGKILL, the OOM
+killer) left its fork server and workers running for good, each keeping the other alive.
+``exit_with_training_process`` breaks that circle in each worker as it starts.
 """
 
 from __future__ import annotations
 
 import ast
+import logging
 import multiprocessing
 import os
+import signal
 import sys
 from typing import Any
+
+log = logging.getLogger("wdsvlm.workers")
 
 CONTEXTS = ("forkserver", "spawn", "fork")
 
 # Imported once in the fork server, so that each worker forked from it starts with them.
-_PRELOAD = ("wdsvlm.stream",)
+_PRELOAD = ("wdsvlm.loader.stream",)
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def default_context() -> str:
@@ -61,6 +75,45 @@ def worker_context(name: str, preload: tuple[str, ...] = ()) -> Any:
             context.set_forkserver_preload(current + wanted)
         forkserver.ensure_running()  # returns at once; the server imports in the background
     return context
+
+
+def exit_with_training_process(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: a worker forked by a fork server ends when the training
+    process does, however it ends. The worker closes its copy of the fork server's "alive"
+    pipe, so that the server sees the pipe's end, and exits, as soon as the training process
+    (the only other holder) is gone; and on Linux it asks the kernel for SIGKILL when its
+    parent, the server, ends. Elsewhere torch's watchdog sees the parent change within 5 s.
+
+    The server itself is not given a parent-death signal: that signal follows the *thread*
+    that started the server (whichever built the first Loader, maybe one that ends soon),
+    not the training process. A worker started by ``spawn`` or ``fork`` is a child of the
+    training process, which torch's watchdog already follows: nothing to do."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the worker's view of the server it came from; private
+    trainer = multiprocessing.parent_process()  # the process that asked for this worker
+    if trainer is None or trainer.pid == os.getppid() or server.get_inherited_fds() is None:
+        return  # its parent is the training process (spawn, fork), or no fork server's child
+    if not die_with_parent():
+        log.debug("worker %d: no parent-death signal on %s", worker_id, sys.platform)
+    # after the signal is asked for: the server cannot end before, while this copy is open
+    alive = server._forkserver_alive_fd
+    if alive is not None:
+        os.close(alive)
+        server._forkserver_alive_fd = None  # a server this worker would start is its own
+
+
+def die_with_parent() -> bool:
+    """Have the kernel SIGKILL this process when its parent ends (Linux); whether it will."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # no C library to ask, or one without prctl
+        return False
 
 
 def check_main_guarded(name: str) -> None:

@@ -1,5 +1,5 @@
-"""Collate: packs in, fixed-shape batches out (the batch format of DESIGN.md), and the
-attention helpers that keep packed samples apart.
+"""Collate: packs in, fixed-shape batches out (the batch format, described in docs/loading.md,
+"A batch"), and the attention helpers that keep packed samples apart.
 
 A batch always has ``batch_size`` rows of ``max_length`` tokens, so a compiled model never
 recompiles; rows without a pack (at the very end of a pass) are all padding. Images that were

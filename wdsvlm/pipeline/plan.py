@@ -2,7 +2,7 @@
 
 Everything follows from explicit inputs. ``(sources, seed, pass)`` decide the pass's global
 order (``PassOrder``): which samples the pass holds (every source's share, see
-``mixture.py``) and in which order, the same on every topology. The worker's place
+``sources.py``) and in which order (``order.py``), the same on every topology. The worker's place
 ``rank * num_workers + worker_id`` among ``world_size * num_workers`` global workers decides
 its share: a contiguous block of that order, read in order. The split is by samples, so any
 shard count works with any worker count, and a sample's place ``[pass, place]`` means the same
@@ -17,7 +17,6 @@ the memory held is one span.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections import OrderedDict
@@ -25,16 +24,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from torch.utils.data import IterableDataset
 
 from ..errors import ShardFormatError, StorageError
-from ..pipeline.sources import DataSource, resolve_sources
+from . import order
+from .order import PassOrder, joins
+from .sources import DataSource, resolve_sources
 
 log = logging.getLogger("wdsvlm.plan")
-
-# A span whose bytes are at most this is read in one go, however sparse its samples.
-_DENSE_ENOUGH = 2**20
 
 
 @dataclass(frozen=True)
@@ -103,153 +100,6 @@ def worker_share(total: int, global_worker: int, global_workers: int) -> tuple[i
     base, extra = divmod(total, global_workers)
     start = global_worker * base + min(global_worker, extra)
     return start, start + base + (global_worker < extra)
-
-
-def _rng(*parts: Any) -> np.random.Generator:
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return np.random.default_rng(int.from_bytes(digest[:16], "little"))
-
-
-def span(
-    url: str,
-    shard: str,
-    entries: Sequence[dict],
-    *,
-    positions: Sequence[int] | None = None,
-    pass_: int = 0,
-    worker: int = 0,
-    source: str | None = None,
-    shard_bytes: int | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    layout: Mapping[str, Any] | None = None,
-) -> dict:
-    """One ranged read of shard ``url`` (shown as ``shard``), as ``ReadSamples`` takes it: the
-    bytes from the first of ``entries`` (index entries) to the end of the last, its samples
-    listed in reading order, with their ``positions`` (places), pass, worker and source, and
-    the shard's sample ``layout`` (``layouts.Layout.to_dict``) where it is not wdsvlm's own."""
-    out = {
-        "url": url,
-        "shard": shard,
-        "start": min(e["offset"] for e in entries),
-        "stop": max(e["offset"] + e["size"] for e in entries),
-        "entries": list(entries),
-        "positions": None if positions is None else list(positions),
-        "pass": pass_,
-        "worker": worker,
-        "source": source,
-        "storage_options": storage_options,
-    }
-    if shard_bytes is not None:  # a shard cache keeps whole shards of this size
-        out["shard_bytes"] = shard_bytes
-    if layout and layout.get("name", "wdsvlm") != "wdsvlm":
-        out["layout"] = dict(layout)
-    return out
-
-
-def _joins(start: int, stop: int, used: int, entry: dict, limit: int) -> bool:
-    """Whether ``entry`` joins the read ``[start, stop)`` holding ``used`` bytes of samples:
-    while the read stays within ``limit`` bytes and the samples fill at least a quarter of
-    it, or it is at most 1 MB."""
-    lo, hi = min(start, entry["offset"]), max(stop, entry["offset"] + entry["size"])
-    if hi - lo <= _DENSE_ENOUGH:
-        return True
-    return hi - lo <= limit and (used + entry["size"]) * 4 >= hi - lo
-
-
-class PassOrder:
-    """The global order of one pass: every sample the pass holds, all sources together, as
-    ``(source, shard, entry)`` at places ``0 .. size - 1``. A pure function of the sources,
-    the seed and the pass, never of the topology, computed from per-shard counts alone: its
-    memory and time grow with the number of chunks, never with the number of samples.
-
-    It is built from chunks: runs of about ``span_bytes`` of neighbouring samples of a shard
-    (from the shard's sample count and bytes), each read with one ranged read. A pass visits
-    each chunk of a source ``copies`` times, and the source's ``extra`` samples of this pass
-    once more: a window of ``extra`` samples of the source in a seeded rotation order of its
-    chunks (fixed for the source), moved on by ``extra`` each pass, so that successive passes
-    rotate through the whole source; each chunk it touches is one more visit. The visits are
-    shuffled; the samples inside a visit are in a seeded order of their own, generated when
-    the visit is read (``entries_of``).
-    """
-
-    def __init__(self, sources: Sequence[DataSource], seed: int, pass_: int, span_bytes: int):
-        parts = []  # (source, shard, first entry, stop) arrays
-        for number, source in enumerate(sources):
-            shard, first, stop = _chunks(source, span_bytes)
-            for _ in range(source.copies):
-                parts.append((np.full(len(shard), number), shard, first, stop))
-            if source.extra:
-                extra = _extra_visits(source, number, seed, pass_, shard, first, stop)
-                parts.append((np.full(len(extra[0]), number), *extra))
-        columns = [np.concatenate([p[i] for p in parts]) for i in range(4)] if parts else None
-        if columns is None:
-            columns = [np.zeros(0, dtype=np.int64)] * 4
-        order = _rng("wdsvlm-pass", seed, pass_).permutation(len(columns[0]))
-        self.visit_source, self.visit_shard, self.first, self.stop = (
-            c.astype(np.int64)[order] for c in columns
-        )
-        self.starts = np.concatenate([[0], np.cumsum(self.stop - self.first)])
-        self.size = int(self.starts[-1])
-        self._seed, self._pass = seed, pass_
-        self._visits: OrderedDict[int, np.ndarray] = OrderedDict()
-
-    def visit_at(self, place: int) -> int:
-        return int(np.searchsorted(self.starts, place, side="right")) - 1
-
-    def entries_of(self, v: int) -> np.ndarray:
-        """The entry numbers of visit ``v`` (of its shard), in the visit's seeded order."""
-        entries = self._visits.get(v)
-        if entries is None:
-            first, stop = int(self.first[v]), int(self.stop[v])
-            entries = first + _rng("wdsvlm-visit", self._seed, self._pass, v).permutation(
-                stop - first
-            )
-            self._visits[v] = entries
-            while len(self._visits) > 8:
-                self._visits.popitem(last=False)
-        return entries
-
-    def entry_at(self, place: int) -> tuple[int, int, int]:
-        """``(source, shard, entry)`` at ``place``."""
-        v = self.visit_at(place)
-        entry = int(self.entries_of(v)[place - int(self.starts[v])])
-        return int(self.visit_source[v]), int(self.visit_shard[v]), entry
-
-
-def _chunks(source: DataSource, span_bytes: int):
-    """``(shard, first entry, stop)`` of each chunk of the source, in shard order: runs of
-    neighbouring samples of about ``span_bytes``, from each shard's sample count and bytes."""
-    shards = source.index["shards"]
-    samples = np.fromiter((s["samples"] for s in shards), dtype=np.int64, count=len(shards))
-    nbytes = np.fromiter((s.get("bytes") or 1 for s in shards), dtype=np.int64, count=len(shards))
-    per_chunk = np.maximum(1, span_bytes * samples // np.maximum(1, nbytes))
-    counts = -(-samples // per_chunk)
-    shard = np.repeat(np.arange(len(shards)), counts)
-    within = np.arange(len(shard)) - np.repeat(np.cumsum(counts) - counts, counts)
-    first = within * per_chunk[shard]
-    return shard, first, np.minimum(first + per_chunk[shard], samples[shard])
-
-
-def _extra_visits(source: DataSource, number: int, seed: int, pass_: int, shard, first, stop):
-    """``(shard, first entry, stop)`` of the visits holding the source's extra samples of this
-    pass: the window ``[pass * extra, (pass + 1) * extra)`` (modulo the source's size) of the
-    source's samples with its chunks in a seeded rotation order, fixed for the source."""
-    n = source.size
-    rotation = _rng("wdsvlm-extra", seed, number, source.name).permutation(len(shard))
-    shard, first, stop = shard[rotation], first[rotation], stop[rotation]
-    ends = np.cumsum(stop - first)
-    begins = ends - (stop - first)
-    start = (pass_ * source.extra) % n
-    windows = [(start, min(n, start + source.extra))]
-    if start + source.extra > n:  # wrapping round to the source's start
-        windows.append((0, start + source.extra - n))
-    out = [[], [], []]
-    for lo, hi in windows:
-        touched = (ends > lo) & (begins < hi)
-        out[0].append(shard[touched])
-        out[1].append(first[touched] + np.maximum(0, lo - begins[touched]))
-        out[2].append(first[touched] + np.minimum(stop - first, hi - begins)[touched])
-    return tuple(np.concatenate(parts) for parts in out)
 
 
 class Plan(IterableDataset):
@@ -393,7 +243,7 @@ class Plan(IterableDataset):
 
     def _cut(self, order: PassOrder, v: int, pass_: int, places: Sequence[int], worker: int):
         """Spans of ascending places of one visit, cut where an entry would not join
-        (``_joins``)."""
+        (``order.joins``)."""
         source = self.sources[int(order.visit_source[v])]
         number = int(order.visit_shard[v])
         shard = source.index["shards"][number]
@@ -419,7 +269,7 @@ class Plan(IterableDataset):
         part: list[tuple] = []
         start = stop = used = 0
         for entry, place in found:
-            if part and not _joins(start, stop, used, entry, self.span_bytes):
+            if part and not joins(start, stop, used, entry, self.span_bytes):
                 yield self._span(source, number, part, pass_, worker)
                 part = []
             if not part:
@@ -433,7 +283,7 @@ class Plan(IterableDataset):
 
     def _span(self, source, number: int, part: list[tuple], pass_: int, worker: int) -> dict:
         shard = source.index["shards"][number]
-        return span(
+        return order.span(
             source.urls[number],
             f"{source.name}/{shard['name']}" if self.mixture else shard["name"],
             [entry for entry, _ in part],
@@ -442,6 +292,7 @@ class Plan(IterableDataset):
             worker=worker,
             source=source.name if self.mixture else None,
             shard_bytes=shard["bytes"],
+            shard_sha256=shard.get("sha256"),
             storage_options=source.storage_options,
             layout=source.index.get("layout"),
         )

@@ -7,7 +7,8 @@ decoding downstream; nothing stays open between spans, and the thread ends with 
 A sample whose bytes are cut short (a truncated shard) or do not parse as tar members of its
 key is skipped and counted. A shard that cannot be read raises ``StorageError`` naming it, or
 with ``on_shard_error="skip"`` has its samples counted as skipped (``unreadable_shard``).
-With a ``cache`` (``cache.ShardCache``), shards are read from local disk once fetched.
+With a ``cache`` (``cache.ShardCache``), shards are read from local disk once fetched (those
+whose index records a sha256: the cache keys on it, so a rewritten shard is fetched anew).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class ReadSamples:
                     span["stop"],
                     options,
                     self.policy,
+                    sha256=span.get("shard_sha256"),
                 )
             return read_range(
                 span["url"],

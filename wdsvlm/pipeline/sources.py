@@ -29,7 +29,8 @@ from functools import cached_property
 from typing import Any
 
 from ..errors import ShardFormatError
-from ..format.index import load_index, scan_index, shard_url
+from ..format.index import load_index, shard_url
+from ..format.tarscan import scan_index
 from ..storage.fs import join
 
 log = logging.getLogger("wdsvlm.mixture")

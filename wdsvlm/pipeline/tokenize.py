@@ -25,10 +25,10 @@ import numpy as np
 from ..errors import TemplateError
 from ..families.base import Family
 from ..families.tiling import ImageConfig, TilingFamily
+from ..format.conversation import IMAGE_MARKER
 from ..format.images import UnreadableImage, UnusableImage, image_members, image_size
 from ..pipeline.labels import answer_ranges, marked
 from ..pipeline.stats import SkipStats
-from ..write.inputs import IMAGE_MARKER
 
 IGNORE_INDEX = -100
 CHATML_TEMPLATE = (

@@ -8,10 +8,12 @@ profile, ...). Credentials come from each backend's standard chain.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import random
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -161,15 +163,79 @@ _PERMANENT = re.compile(
     r"AllAccessDisabled|AccountProblem|InvalidBucketName)\b"
 )
 
+# errno values of an OSError that asking again will not change: s3fs turns a 400, an invalid
+# range or argument into EINVAL, a 501 into ENOSYS and a redirect to another region into EREMCHG.
+_PERMANENT_ERRNO = {
+    errno.EINVAL,
+    errno.ENOSYS,
+    errno.EPERM,
+    errno.EACCES,
+    errno.ENOENT,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.ENAMETOOLONG,
+    getattr(errno, "EREMCHG", errno.ENOENT),
+}
+
+# Network faults of the HTTP clients under fsspec's backends that are not OSErrors, by module
+# and class name: a cut or stalled connection, a body cut short. Looked up only among modules
+# already imported (an error cannot come from one that is not), so no backend is imported here.
+_NETWORK_ERRORS = {
+    "aiohttp": ("ClientConnectionError", "ClientPayloadError"),
+    "botocore.exceptions": ("HTTPClientError", "ResponseParserError"),
+    "urllib3.exceptions": ("ProtocolError", "TimeoutError"),
+    "http.client": ("IncompleteRead", "BadStatusLine"),
+}
+
+
+def _network_error(error: BaseException) -> bool:
+    for module, names in _NETWORK_ERRORS.items():
+        found = sys.modules.get(module)
+        kinds = tuple(k for k in (getattr(found, n, None) for n in names) if isinstance(k, type))
+        if kinds and isinstance(error, kinds):
+            return True
+    return False
+
+
+def _http_status(error: BaseException) -> int | None:
+    """The HTTP status of an error that carries one: ``status`` (aiohttp, fsspec's HTTP), an
+    int ``code`` (gcsfs), or a botocore ``response``."""
+    status = getattr(error, "status", None)
+    if isinstance(status, int):
+        return status
+    code = getattr(error, "code", None)
+    if isinstance(code, int) and 100 <= code < 600:
+        return code
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(status, int):
+            return status
+    return None
+
 
 def is_transient(error: BaseException) -> bool:
     """Whether asking again may succeed: connection resets and refusals, timeouts, throttling
-    and 5xx answers yes; missing objects or buckets and refused access no."""
-    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
+    and 5xx answers yes; missing objects or buckets, refused access, bad requests no.
+
+    Only what is known to be a fault of the network or the store is transient: any other
+    exception (a ``TypeError``, ``KeyError``, ... of a bug) is not, so it surfaces at once
+    instead of after every retry."""
+    if isinstance(
+        error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+    ):
         return False
-    status = getattr(error, "status", None)
-    if isinstance(status, int):  # an HTTP answer: its status decides
+    status = _http_status(error)
+    if status is not None:  # an HTTP answer: its status decides
         return status in (408, 429) or status >= 500
+    if isinstance(error, (ConnectionError, TimeoutError)) or _network_error(error):
+        return True
+    if not isinstance(error, OSError):  # not a fault of I/O: a bug, surfaced at once
+        return False
+    if error.errno in _PERMANENT_ERRNO:
+        return False
+    # the other OSErrors: what the backends make of the store's answers (s3fs: a 503 or
+    # SlowDown as EBUSY, a 500 as EREMOTEIO, an unknown code as EIO), unless a code says no
     text = " ".join(str(a) for a in getattr(error, "args", ()) if not str(a).startswith("http"))
     return not _PERMANENT.search(text)
 
@@ -187,8 +253,9 @@ def read_range(
     A block whose request fails with a transient error (``is_transient``) is asked for again
     after a backoff with jitter, from the first byte not yet received: the read goes on where
     it broke, never from the start of the object, and returns whole or raises. A permanent
-    error, or a block that fails ``policy.attempts`` times, raises ``StorageError`` naming the
-    URL, the byte offset and the cause. Fewer bytes than asked mean the object ends early.
+    error of the store, or a block that fails ``policy.attempts`` times, raises ``StorageError``
+    naming the URL, the byte offset and the cause; any other exception (a bug) is raised as
+    it is, at once. Fewer bytes than asked mean the object ends early.
     ``stop=None``: to the end of the object, in one request. Setting ``cancel`` ends the read
     (``StorageError``) before its next request or retry.
     """
@@ -205,6 +272,12 @@ def read_range(
         except Exception as e:  # noqa: BLE001 - classified below; every path re-raises or retries
             cause = f"{type(e).__name__}: {e}".strip()
             if not is_transient(e):
+                if not (isinstance(e, OSError) or _http_status(e) is not None):
+                    # not the store's answer but a bug (or a fault of no known kind): as it
+                    # is, so that on_shard_error="skip" cannot count it as an unreadable shard
+                    if hasattr(e, "add_note"):  # Python 3.11+
+                        e.add_note(f"while reading {url} from byte {at}")
+                    raise
                 kind = ObjectNotFoundError if isinstance(e, FileNotFoundError) else StorageError
                 raise kind(f"{url}: cannot read from byte {at}: {cause}") from e
             failures += 1

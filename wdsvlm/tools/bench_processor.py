@@ -42,10 +42,10 @@ PUBLISHED: dict[str, dict[str, Any]] = {
 
 
 def bench_processor(spec: Any) -> Any:
-    """A processor object as is; ``"tiny:FAMILY"``: ``wdsvlm.tiny.tiny_processor`` of the
-    family with its published image sizes (so that the image work is real; the tokenizer is
-    the tiny one shipped in ``shards_example``, nothing is downloaded); otherwise a name or
-    path for ``AutoProcessor``."""
+    """A processor object as is; ``"tiny:FAMILY"``: ``wdsvlm.testing.tiny.tiny_processor`` of
+    the family with its published image sizes (so that the image work is real; the tokenizer
+    is the tiny one shipped with ``wdsvlm.testing``, nothing is downloaded); otherwise a name
+    or path for ``AutoProcessor``."""
     if isinstance(spec, str) and spec.startswith("tiny:"):
         from ..testing.tiny import FAMILIES, tiny_processor
 

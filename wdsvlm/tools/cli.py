@@ -366,7 +366,7 @@ def _index(args: argparse.Namespace) -> None:
         )
         print(summary)
         return
-    from ..format.index import upgrade_dataset
+    from ..format.builder import upgrade_dataset
 
     before, index = upgrade_dataset(args.source, args.storage_options)
     if before == index["version"]:

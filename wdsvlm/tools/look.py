@@ -28,7 +28,7 @@ PACK_REASONS = ("too_many_tokens", "too_many_tiles")
 
 def _spans(picked: Sequence[tuple]) -> Iterator[dict]:
     """One read span per ``(shard URL, shard name, index entry, storage options, layout)``."""
-    from ..pipeline.plan import span
+    from ..pipeline.order import span
 
     for url, shard, entry, options, layout in picked:
         yield span(url, shard, [entry], storage_options=options, layout=layout)

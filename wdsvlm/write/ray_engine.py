@@ -1,6 +1,7 @@
-"""The writer on a Ray cluster: ``wdsvlm write --engine ray`` and ``wdsvlm.ray.write_dataset``.
+"""The writer on a Ray cluster: ``wdsvlm write --engine ray``, ``write_dataset(..., engine="ray")``.
 
-The same writer as on one machine (``write.write_dataset``), with its work as Ray tasks:
+The same writer as on one machine (``writer.write_dataset``), with its work as Ray tasks
+(an ``engines.Engine``):
 
 - **Checks**: the records go to CPU tasks in units, each task reading the records' images
   (local paths, buckets, any fsspec URL) and checking them. A Parquet file's unit is one row
@@ -32,21 +33,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..errors import InputError
+from ..format.conversation import detect_format
+from .inputs import iter_records, normalize
+from .parquet import is_parquet, iter_parquet, open_parquet, parquet_format
+from .shards import check_record
 
 UNIT_RECORDS = 64  # JSON records per check task
 RETRIES = 3  # runs again of a task whose worker died
-
-
-def write_dataset(data: Any, output: str, *, address: str | None = None, **options: Any):
-    """Write ``data`` (input file paths or globs: JSON/JSONL/Parquet; or a
-    ``ray.data.Dataset`` of LLaVA/Cauldron/``messages`` records whose images are paths or
-    URLs) as a wdsvlm dataset at ``output``, with the work on Ray. ``address`` joins a
-    running cluster (else one already initialised in this process is used, or a local Ray of
-    ``workers`` CPUs is started and stopped). ``options``: those of
-    ``wdsvlm.write_dataset``."""
-    from ..write.writer import write_dataset as write
-
-    return write(data, output, engine="ray", ray_address=address, **options)
 
 
 def _ray():
@@ -58,7 +51,9 @@ def _ray():
 
 
 class RayEngine:
-    """The writer's engine on Ray (see the module): ``checked()`` and ``apply_async``."""
+    """The writer's engine on Ray (see the module). ``address`` joins a running cluster;
+    else one already initialised in this process is used, or a local Ray of ``workers``
+    CPUs is started and stopped."""
 
     def __init__(self, inputs, opts, image_root, storage_options, formats, address=None):
         if isinstance(inputs, list):  # tasks may run elsewhere: no path relative to here
@@ -93,9 +88,10 @@ class RayEngine:
             ray.shutdown()
         return False
 
-    def units(self) -> Iterator[tuple]:
-        from ..write.inputs import is_parquet, iter_records, open_parquet, parquet_format
+    def place(self, output: str) -> str:
+        return absolute(output)  # the tasks write there, wherever they run
 
+    def units(self) -> Iterator[tuple]:
         if not isinstance(self.inputs, list):  # a ray.data.Dataset of records
             yield from _chunks(("records", r) for r in self._dataset_records())
             return
@@ -124,8 +120,6 @@ class RayEngine:
 
     def _dataset_records(self) -> Iterator[dict | InputError]:
         from ray.data import DataContext
-
-        from ..write.inputs import detect_format, normalize
 
         fmt = None if self.opts.format == "auto" else self.opts.format
         options = DataContext.get_current().execution_options
@@ -191,15 +185,12 @@ def _run(fn, args):
 
 def _check_unit(unit: tuple, storage_options: Mapping[str, Any]) -> list:
     """A task: the checked records of one unit (see the module)."""
-    from ..write.inputs import _iter_parquet, normalize
-    from ..write.writer import check_record
-
     if unit[0] == "records":
         records = unit[1]
     else:
         _, path, group, first, fmt, image_root = unit
         records = [
             normalize(raw, fmt, where, path, image_root, origin)
-            for where, raw, origin in _iter_parquet(path, storage_options, [group], first)
+            for where, raw, origin in iter_parquet(path, storage_options, [group], first)
         ]
     return [check_record(r, storage_options) for r in records]

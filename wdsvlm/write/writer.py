@@ -1,57 +1,42 @@
 """The shard writer: input records in, WebDataset tar shards and ``index.json`` out.
 
-It works in two passes. The first reads and checks every record and its images (in
-``workers`` processes) without writing anything, so bad input stops the run before a partial
-dataset exists. The second cuts the good samples into shards (a pure function of the sample
-sizes, so any worker count gives the same shards) and writes the shards in parallel. Each
-shard appears only when complete; ``index.json`` is written last.
+Records are read and checked (their images read and probed) and written in one stream: the
+good samples are cut into shards as they come (a pure function of the sample sizes, so any
+worker count gives the same shards) and each shard is written as soon as it is full, on the
+engine's workers (``engines``: this machine's processes, or Ray). A bad record without
+``skip_bad`` stops the writes, the rest is only checked so that every bad record is named,
+and what was written is removed. Replacing a dataset checks the new input first, so bad input
+leaves the old one whole. Each shard appears only when complete; ``index.json`` is written
+last (``format.builder`` makes it).
 """
 
 from __future__ import annotations
 
-import itertools
-import json
 import logging
-import multiprocessing
-import os
 import re
 import time
-from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-from ..errors import BadInputError, DatasetExistsError, InputError, StorageError
-from ..format.images import UnreadableImage, probe_image, stored_bytes
-from ..format.index import (
-    FORMAT,
-    INDEX_NAME,
-    SKIPPED_NAME,
-    VERSION,
-    dumps_index,
-    sample_key,
-    shard_name,
-    shard_summary,
-    sidecar_entry,
-)
-from ..format.sidecar import pack_entries, sidecar_name
-from ..format.tarball import BLOCK, HashingTarWriter, member_bytes, tar_bytes
+from ..errors import DatasetExistsError, InputError
+from ..format.builder import Totals, publish_skipped, refuse_bad, root_index, stops
+from ..format.index import INDEX_NAME, SKIPPED_NAME, dumps_index
+from ..format.tarball import BLOCK
 from ..progress import progress
-from ..storage.fs import (
-    exists,
-    join,
-    list_names,
-    publish_bytes,
-    publish_file,
-    read_bytes,
-    remove,
-    staging_file,
-)
-from ..write.inputs import FORMATS, Embedded, iter_records
+from ..storage.fs import exists, join, list_names, publish_bytes, remove
+from .inputs import FORMATS, expand_inputs
+from .shards import plan_shards, write_shard
+
+if TYPE_CHECKING:
+    from .engines import Engine
 
 log = logging.getLogger("wdsvlm.write")
+
+ENGINES = {"local": ".engines:LocalEngine", "ray": ".ray_engine:RayEngine"}
+"""The engines the writer's work can run on (see ``engines``), imported when chosen."""
 
 
 @dataclass(frozen=True)
@@ -142,14 +127,14 @@ def write_dataset(
     ``memory://...``). ``image_root`` is where relative image paths start (default: each input
     file's folder). ``storage_options`` go to fsspec for the output and for inputs and images
     given as URLs. ``engine="ray"`` runs the checks and shard writes as Ray tasks (see
-    ``wdsvlm.ray``; ``inputs`` may then be a ``ray.data.Dataset`` of records), joining the
+    ``ray_engine``; ``inputs`` may then be a ``ray.data.Dataset`` of records), joining the
     cluster at ``ray_address`` or starting a local Ray of ``workers`` CPUs; the output is
     the same. Keyword ``options`` are the fields of ``WriteOptions``.
     """
     opts = WriteOptions(**options)
     started = time.perf_counter()
-    if engine not in ("local", "ray"):
-        raise ValueError(f"engine must be 'local' or 'ray', not {engine!r}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be {' or '.join(map(repr, ENGINES))}, not {engine!r}")
     if ray_address and engine != "ray":
         raise ValueError("a Ray address is for the Ray engine: add --engine ray / engine='ray'")
     dataset = None if isinstance(inputs, str) or _is_iterable(inputs) else inputs
@@ -169,20 +154,11 @@ def write_dataset(
         )
     formats: dict[str, str] = {}
     named = ["the Ray dataset"] if dataset is not None else inputs
-    if engine == "ray":
-        from ..write.ray_engine import RayEngine, absolute
-
-        output = absolute(output)  # the tasks write there, wherever they run
-        runner = RayEngine(
-            dataset if dataset is not None else inputs,
-            opts,
-            image_root,
-            storage_options,
-            formats,
-            ray_address,
-        )
-    else:
-        runner = _LocalEngine(inputs, opts, image_root, storage_options, formats)
+    module, name = ENGINES[engine].split(":")
+    engine_class = getattr(import_module(module, __package__), name)
+    work = inputs if dataset is None else dataset
+    runner = engine_class(work, opts, image_root, storage_options, formats, ray_address)
+    output = runner.place(output)
     with runner as run:
         opts = replace(opts, workers=run.workers)
         if replacing:
@@ -193,7 +169,7 @@ def write_dataset(
             remove(index_url, storage_options)  # no reader may pair old and new from here
         written = _write_shards(run, run.checked(), output, opts, storage_options)
         shards, totals, bad, n_good = written
-        if (bad and not opts.skip_bad) or not totals.samples:
+        if stops(bad, n_good, opts.skip_bad):
             if replacing:  # bad only now (an image gone or unreadable since the check)
                 log.error(
                     "%s: records found bad while writing, after they were checked; the "
@@ -205,19 +181,13 @@ def write_dataset(
                 remove(join(output, shard["sidecar"]["name"]), storage_options)
             _refuse_bad(bad, n_good, opts.skip_bad, named)
 
-    skipped = Counter(e.reason for e in bad)
     skipped_url = join(output, SKIPPED_NAME)
+    skipped = publish_skipped(bad, skipped_url, storage_options)
     if bad:
-        lines = (
-            json.dumps({"where": e.where, "reason": e.reason, "message": e.message}) for e in bad
-        )
-        publish_bytes(("\n".join(lines) + "\n").encode("utf-8"), skipped_url, storage_options)
         log.warning(
             "skipped %d bad records (%s); listed in %s", len(bad), dict(skipped), skipped_url
         )
-    else:
-        remove(skipped_url, storage_options)
-    index = build_index(shards, totals, opts.prefix, skipped)
+    index = root_index(shards, totals, skipped, prefix=opts.prefix)
     publish_bytes(dumps_index(index), index_url, storage_options)
     keep = {s["name"] for s in shards} | {s["sidecar"]["name"] for s in shards}
     _remove_stale_shards(output, opts.prefix, keep, storage_options)
@@ -234,122 +204,11 @@ def write_dataset(
     )
 
 
-def expand_inputs(inputs: list[str], storage_options=None) -> list[str]:
-    """Input files with their globs expanded (sorted), local or any fsspec URL."""
-    import fsspec
-
-    out = []
-    for pattern in inputs:
-        if not any(c in pattern for c in "*?["):
-            out.append(pattern)
-            continue
-        fs, path = fsspec.core.url_to_fs(pattern, **(storage_options or {}))
-        found = sorted(fs.glob(path))
-        if not found:
-            raise FileNotFoundError(f"no input files match {pattern}")
-        protocol = pattern.split("://", 1)[0] + "://" if "://" in pattern else ""
-        out += [protocol + p if protocol and "://" not in p else p for p in found]
-    return out
-
-
-def check_record(
-    record: dict | InputError, storage_options: Mapping[str, Any] | None = None
-) -> dict | InputError:
-    """Read and check a record's images; return the sample to write, or the InputError.
-
-    The sample holds no image bytes, only what shard planning needs: the JSON bytes and,
-    per image, its path, extension, stored size and displayed size.
-    """
-    if isinstance(record, InputError):
-        return record
-    where = record["where"]
-    images = []
-    embedded = record.get("data") or [None] * len(record["images"])
-    for path, data in zip(record["images"], embedded, strict=True):
-        try:
-            if data is None:
-                data = read_bytes(path, storage_options)
-        except FileNotFoundError:
-            return InputError(where, "missing_image", f"{_image_name(path)} not found")
-        except (OSError, StorageError) as e:
-            return InputError(where, "unreadable_image", f"{_image_name(path)} cannot be read: {e}")
-        try:
-            info = probe_image(data)
-        except UnreadableImage as e:
-            return InputError(
-                where, "unreadable_image", f"{_image_name(path)} is not a decodable image: {e}"
-            )
-        size = len(stored_bytes(data, info)) if info.reencoded else len(data)
-        images.append((path, info, size))
-    doc = {"id": record["id"], "source": record["source"], "messages": record["messages"]}
-    text = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    return {
-        "where": where,
-        "json": text,
-        "source": record["source"],
-        "images": images,
-        "chars": [len(m["content"]) for m in record["messages"]],
-    }
-
-
-def sample_tar_bytes(sample: dict) -> int:
-    """Bytes a sample takes in a tar: a header and the padded data per member."""
-    return member_bytes(len(sample["json"])) + sum(
-        member_bytes(size) for _, _, size in sample["images"]
-    )
-
-
-def plan_shards(
-    samples: Iterable[dict], samples_per_shard: int, max_shard_bytes: int
-) -> Iterator[tuple[int, int, list[dict]]]:
-    """Cut samples into shards, in order, as they come: ``(shard number, first sample
-    number, samples)`` for each shard once it is full (only the open shard is held)."""
-    current: list[dict] = []
-    current_bytes = 0
-    first = shards = 0
-    for number, sample in enumerate(samples):
-        size = sample_tar_bytes(sample)
-        if current and (
-            len(current) >= samples_per_shard or tar_bytes(current_bytes + size) > max_shard_bytes
-        ):
-            yield shards, first, current
-            shards += 1
-            current, current_bytes, first = [], 0, number
-        current.append(sample)
-        current_bytes += size
-    if current:
-        yield shards, first, current
-
-
-@dataclass
-class Totals:
-    """The dataset's totals, added up sample by sample as they are written."""
-
-    samples: int = 0
-    images: int = 0
-    text_only: int = 0
-    multi_image: int = 0
-    turns: int = 0
-    chars: int = 0
-    sources: Counter = field(default_factory=Counter)
-
-    def add(self, sample: dict) -> None:
-        n = len(sample["images"])
-        self.samples += 1
-        self.images += n
-        self.text_only += n == 0
-        self.multi_image += n > 1
-        self.turns += len(sample["chars"])
-        self.chars += sum(sample["chars"])
-        self.sources[sample["source"]] += 1
-
-
-def _write_shards(run, checked: Iterator, output: str, opts: WriteOptions, storage_options):
+def _write_shards(run: Engine, checked: Iterator, output: str, opts: WriteOptions, storage_options):
     """Write the good samples of ``checked`` into shards as they fill, at most two per
     worker in flight, so memory holds the open shard and those in flight, never the dataset.
     ``run`` is the engine the writes go to. Returns the shards' root entries, the totals, the
-    bad records and the number of good
-    ones (written or only checked). Once a bad record is
+    bad records and the number of good ones (written or only checked). Once a bad record is
     seen without ``skip_bad`` nothing more is written (the rest is only checked, so that
     every bad record is reported)."""
     totals, bad, shards = Totals(), [], []
@@ -365,7 +224,7 @@ def _write_shards(run, checked: Iterator, output: str, opts: WriteOptions, stora
             n_good += 1
             if bad and not opts.skip_bad:
                 continue  # refused at the end; checked only
-            totals.add(item)
+            totals.add(len(item["images"]), item["chars"], item["source"])
             yield item
 
     in_flight: list = []
@@ -383,67 +242,6 @@ def _is_iterable(value: Any) -> bool:
     )
 
 
-class _LocalEngine:
-    """The writer's work on this machine: checks and shard writes in ``workers`` processes
-    (none: in this one). ``checked()`` gives the checked records in input order; writes go
-    through ``apply_async`` (in this process when there is no pool)."""
-
-    def __init__(self, inputs, opts: WriteOptions, image_root, storage_options, formats):
-        self.inputs, self.opts, self.image_root = inputs, opts, image_root
-        self.storage_options, self.formats = storage_options, formats
-        self.workers = opts.workers
-        self.pool = None
-
-    def __enter__(self):
-        self._context = _pool(self.workers)
-        self.pool = self._context.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._context.__exit__(*exc)
-
-    def records(self) -> Iterator:
-        for path in self.inputs:
-            yield from iter_records(
-                path,
-                format=self.opts.format,
-                image_root=self.image_root,
-                storage_options=self.storage_options,
-                found=self.formats,
-            )
-
-    def checked(self) -> Iterator:
-        check = partial(check_record, storage_options=self.storage_options)
-        return _checked_in_batches(self.pool, check, self.records(), self.workers)
-
-    def apply_async(self, fn, args):
-        if self.pool is None:  # no processes: run it here, now
-            return _Done(fn(*args))
-        return self.pool.apply_async(fn, args)
-
-
-@dataclass
-class _Done:
-    """A result already there, with ``get`` as a pool's pending result has."""
-
-    value: Any
-
-    def get(self) -> Any:
-        return self.value
-
-
-def _checked_in_batches(pool, check, records: Iterator, workers: int) -> Iterator:
-    """``check`` over ``records``, in order, a batch at a time: the pool takes its tasks in
-    order, so shard writes handed to it between two batches run before the next batch's
-    checks (one ``imap`` over every record would queue them all first, and the writes would
-    wait for the last check, with every result held)."""
-    if pool is None:
-        yield from map(check, records)
-        return
-    while chunk := list(itertools.islice(records, 64 * workers)):
-        yield from pool.map(check, chunk, chunksize=16)
-
-
 def _check_only(checked: Iterator, show: bool) -> tuple[int, list[InputError]]:
     good, bad = 0, []
     for item in progress(checked, enabled=show, desc="checking", unit=" records"):
@@ -455,100 +253,15 @@ def _check_only(checked: Iterator, show: bool) -> tuple[int, list[InputError]]:
 
 
 def _refuse_bad(bad: list[InputError], good: int, skip_bad: bool, inputs: list) -> None:
-    if (bad and not skip_bad) or (bad and not good):
-        raise BadInputError(bad, good + len(bad))
-    if not good:
-        raise ValueError(f"no records in {', '.join(inputs)}: nothing to write")
-
-
-def write_shard(
-    plan: tuple[int, int, list[dict]],
-    output: str,
-    prefix: str,
-    storage_options: Mapping[str, Any] | None = None,
-) -> dict:
-    """Write one planned shard and its sidecar (the samples' entries); return its entry in
-    the root index."""
-    number, first, samples = plan
-    name = shard_name(prefix, number)
-    url = join(output, name)
-    tmp = staging_file(url, storage_options)
-    try:
-        with open(tmp, "wb") as f:
-            tar = HashingTarWriter(f)
-            entries = [
-                _write_sample(tar, sample_key(first + i), s, storage_options)
-                for i, s in enumerate(samples)
-            ]
-            tar.close()
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    publish_file(tmp, url, storage_options)
-    sidecar = pack_entries(entries)
-    publish_bytes(sidecar, join(output, sidecar_name(name)), storage_options)
-    return {
-        "name": name,
-        "samples": len(samples),
-        "bytes": tar.offset,
-        "sha256": tar.digest.hexdigest(),
-        "sidecar": sidecar_entry(sidecar_name(name), sidecar),
-        **shard_summary(entries),
-    }
-
-
-def _write_sample(tar: HashingTarWriter, key: str, sample: dict, storage_options) -> dict:
-    """Append one sample's members; return its index entry."""
-    start = tar.offset
-    tar.member(f"{key}.json", sample["json"])
-    for n, (path, info, size) in enumerate(sample["images"]):
-        data = stored_bytes(image_bytes(path, storage_options), info)
-        if len(data) != size:
-            raise InputError(
-                sample["where"], "changed_image", f"{_image_name(path)} changed while writing"
-            )
-        tar.member(f"{key}.{n}.{info.ext}", data)
-    return {
-        "key": key,
-        "offset": start,
-        "size": tar.offset - start,
-        "images": [[info.width, info.height] for _, info, _ in sample["images"]],
-        "chars": sample["chars"],
-    }
-
-
-def _image_name(image: str | Embedded) -> str:
-    return f"image {image}" if isinstance(image, Embedded) else f"image file {image}"
-
-
-def image_bytes(image: str | Embedded, storage_options=None) -> bytes:
-    """An image's bytes: from its file or URL, or from the Parquet row that embeds it."""
-    if isinstance(image, Embedded):
-        return image.read(storage_options)
-    return read_bytes(image, storage_options)
-
-
-def build_index(
-    shards: list[dict], totals: Totals, prefix: str, skipped: Mapping[str, int]
-) -> dict:
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "prefix": prefix,
-        "shards": shards,
-        "totals": {
-            "shards": len(shards),
-            "samples": totals.samples,
-            "bytes": sum(s["bytes"] for s in shards),
-            "images": totals.images,
-            "text_only": totals.text_only,
-            "multi_image": totals.multi_image,
-            "turns": totals.turns,
-            "chars": totals.chars,
-            "sources": dict(sorted(totals.sources.items())),
-            "skipped": dict(sorted(skipped.items())),
-        },
-    }
+    refuse_bad(
+        bad,
+        good,
+        skip_bad,
+        items="input records",
+        outcome="nothing was written (pass --skip-bad / skip_bad=True to skip them and list "
+        f"them in {SKIPPED_NAME})",
+        empty=f"no records in {', '.join(inputs)}: nothing to write",
+    )
 
 
 def _remove_stale_shards(output: str, prefix: str, keep: set[str], storage_options) -> None:
@@ -559,14 +272,3 @@ def _remove_stale_shards(output: str, prefix: str, keep: set[str], storage_optio
         if pattern.fullmatch(name) and name not in keep:
             log.info("removing %s: left over from an earlier write, not in the new index", name)
             remove(join(output, name), storage_options)
-
-
-@contextmanager
-def _pool(workers: int) -> Iterator[Any]:
-    """A process pool for ``workers`` > 1, else None (work runs in this process)."""
-    if workers == 1:
-        yield None
-        return
-    # spawn: safe whatever threads the caller has running (fork with threads can deadlock)
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        yield pool

@@ -1,0 +1,121 @@
+"""A dataset rewritten in place with other content at the same shard names, sample counts and
+sizes (tars are padded to 10 KiB records, so a small edit keeps the size): the shard cache
+serves the new bytes, and a loader state of the old content is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import webdataset as wds
+
+import wdsvlm
+from wdsvlm import load_index, write_dataset
+from wdsvlm.errors import StorageError
+from wdsvlm.format.index import INDEX_NAME
+from wdsvlm.pipeline.plan import Plan, WorkerConfig
+from wdsvlm.pipeline.read import ReadSamples
+from wdsvlm.storage.cache import ShardCache
+
+from .conftest import EXAMPLE, write_jsonl
+
+TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
+ONE = WorkerConfig(0, 1, 0)
+SMALL = {"tile_size": 128, "max_image_side": 256, "tokens_per_tile": 16}
+
+
+def shouted(records: list) -> list:
+    """The same records with every answer in capitals: other bytes, the same lengths."""
+    out = json.loads(json.dumps(records))
+    for record in out:
+        for turn in record["conversations"]:
+            if turn["from"] == "gpt":
+                turn["value"] = turn["value"].upper()
+    return out
+
+
+def write(records: list, image_root: str, output: str, **options) -> None:
+    path = write_jsonl(os.path.join(os.path.dirname(output), "records.jsonl"), records)
+    write_dataset(
+        path, output, image_root=image_root, samples_per_shard=4, progress=False, **options
+    )
+
+
+@pytest.fixture
+def rewritten(llava_input, tmp_path):
+    """``(folder, rewrite)``: a dataset, and a function that rewrites it in place with its
+    answers in capitals, the same shard names, counts and sizes, other sha256."""
+    _, root, records = llava_input
+    folder = str(tmp_path / "ds")
+    write(records, root, folder)
+    before = load_index(folder)["shards"]
+
+    def rewrite() -> None:
+        write(shouted(records), root, folder, overwrite=True)
+        after = load_index(folder)["shards"]
+        same = [(s["name"], s["samples"], s["bytes"]) for s in before]
+        assert [(s["name"], s["samples"], s["bytes"]) for s in after] == same
+        assert all(a["sha256"] != b["sha256"] for a, b in zip(after, before, strict=True))
+
+    return folder, rewrite
+
+
+def answers(folder: str, cache: ShardCache | None) -> dict[str, bytes]:
+    """Each sample's JSON member, read through the cache."""
+    read = ReadSamples(cache=cache, read_ahead=0)
+    return {
+        s["__key__"]: s["json"] for s in wds.DataPipeline(Plan(folder, worker_config=ONE), read)
+    }
+
+
+def test_a_shard_rewritten_at_the_same_size_is_read_anew_through_the_cache(rewritten, tmp_path):
+    folder, rewrite = rewritten
+    cache = ShardCache(str(tmp_path / "cache"))
+    old = answers(folder, cache)
+    assert cache.size() > 0, "the shards were cached"
+    rewrite()
+    new = answers(folder, cache)
+    assert new == answers(folder, None)  # the bytes on disk now, not the cached ones
+    assert new != old and b"A YELLOW DISC." in b"".join(new.values())
+    # both versions are kept, each under the sha256 that names it
+    both = {s["sha256"] for s in load_index(folder)["shards"]}
+    assert {n.removesuffix(".tar") for n in os.listdir(tmp_path / "cache")} >= both
+
+
+def test_a_shard_changed_under_a_readers_index_is_refused_by_the_cache_not_cached(
+    rewritten, tmp_path
+):
+    folder, rewrite = rewritten
+    plan = Plan(folder, worker_config=ONE)
+    list(wds.DataPipeline(plan, ReadSamples(read_ahead=0)))  # its index, entries and all
+    rewrite()  # the shards change under the index the plan holds
+    cache = ShardCache(str(tmp_path / "cache"))
+    with pytest.raises(StorageError, match=r"the index says \d+ bytes, sha256 .*changed since"):
+        list(wds.DataPipeline(plan, ReadSamples(cache=cache, read_ahead=0)))
+    assert cache.size() == 0
+
+
+def test_a_shard_whose_index_has_no_sha256_is_read_from_the_store_uncached(rewritten, tmp_path):
+    folder, _ = rewritten
+    with open(os.path.join(folder, INDEX_NAME)) as f:
+        index = json.load(f)
+    for shard in index["shards"]:
+        shard["sha256"] = None
+    with open(os.path.join(folder, INDEX_NAME), "w") as f:
+        json.dump(index, f)
+    cache = ShardCache(str(tmp_path / "cache"))
+    assert answers(folder, cache) == answers(folder, None)
+    assert cache.size() == 0
+
+
+def test_a_state_of_the_old_content_is_refused_after_a_same_size_rewrite(rewritten):
+    folder, rewrite = rewritten
+    base = {"max_length": 1024, "batch_size": 2, "batches_per_epoch": 2, **SMALL}
+    loader = wdsvlm.Loader(folder, TOKENIZER, **base)
+    next(iter(loader))
+    state = loader.state_dict()
+    wdsvlm.Loader(folder, TOKENIZER, **base).load_state_dict(state)  # unchanged: fine
+    rewrite()
+    with pytest.raises(ValueError, match=r"cannot resume: .*other settings: dataset "):
+        wdsvlm.Loader(folder, TOKENIZER, **base).load_state_dict(state)

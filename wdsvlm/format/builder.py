@@ -1,0 +1,182 @@
+"""Building an index: the one place both ``wdsvlm write`` and ``wdsvlm index`` make theirs.
+
+A sample's entry (its byte range, images' displayed sizes, characters per turn), a shard's
+sidecar and its entry in the root index, the dataset's totals, the root ``index.json``, the
+list of skipped records or samples, and the refusal of bad input. Version-1 indexes are
+upgraded here too: their shards get the sidecars a version-2 index names.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import BadInputError, InputError
+from ..storage.fs import join, publish_bytes, remove
+from .index import (
+    FORMAT,
+    INDEX_NAME,
+    VERSION,
+    dumps_index,
+    load_index,
+    shard_summary,
+    sidecar_entry,
+)
+from .sidecar import pack_entries, sidecar_name
+
+
+def sample_entry(
+    key: str, offset: int, size: int, images: Sequence[Sequence[int]], chars: Sequence[int]
+) -> dict:
+    """A sample's entry: its key, where its members lie in the tar (``offset``, ``size``
+    bytes), its images' displayed ``[width, height]`` and its turns' characters."""
+    return {
+        "key": key,
+        "offset": offset,
+        "size": size,
+        "images": [list(wh) for wh in images],
+        "chars": list(chars),
+    }
+
+
+def publish_sidecar(
+    output: str,
+    shard: str,
+    entries: Sequence[Mapping[str, Any]],
+    size: int,
+    sha256: str,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict:
+    """Publish the sidecar of the shard named ``shard`` (its samples' ``entries``) under
+    ``output``; return the shard's entry in the root index (the shard is ``size`` bytes with
+    that ``sha256``)."""
+    data = pack_entries(entries)
+    name = sidecar_name(shard)
+    publish_bytes(data, join(output, name), storage_options)
+    return {
+        "name": shard,
+        "samples": len(entries),
+        "bytes": size,
+        "sha256": sha256,
+        "sidecar": sidecar_entry(name, data),
+        **shard_summary(entries),
+    }
+
+
+@dataclass
+class Totals:
+    """The dataset's totals, added up sample by sample."""
+
+    samples: int = 0
+    images: int = 0
+    text_only: int = 0
+    multi_image: int = 0
+    turns: int = 0
+    chars: int = 0
+    sources: Counter = field(default_factory=Counter)
+
+    def add(self, images: int, chars: Sequence[int], source: str) -> None:
+        """One sample of ``images`` images, ``chars`` characters per turn, from ``source``."""
+        self.samples += 1
+        self.images += images
+        self.text_only += images == 0
+        self.multi_image += images > 1
+        self.turns += len(chars)
+        self.chars += sum(chars)
+        self.sources[source] += 1
+
+    def update(self, other: Totals) -> None:
+        """Add ``other``'s samples (another shard's, counted elsewhere)."""
+        for name in ("samples", "images", "text_only", "multi_image", "turns", "chars"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.sources.update(other.sources)
+
+
+def root_index(
+    shards: list[dict],
+    totals: Totals,
+    skipped: Mapping[str, int],
+    *,
+    prefix: str | None = None,
+    layout: Mapping[str, Any] | None = None,
+    shard_root: str | None = None,
+) -> dict:
+    """The root ``index.json`` of ``shards`` (their root entries): the writer's names its
+    shards' ``prefix``; one of tars made elsewhere names their sample ``layout`` and, when
+    it lies apart from them, where they are (``shard_root``)."""
+    index: dict[str, Any] = {"format": FORMAT, "version": VERSION}
+    if prefix is not None:
+        index["prefix"] = prefix
+    if layout is not None:
+        index["layout"] = dict(layout)
+    index["shards"] = shards
+    index["totals"] = {
+        "shards": len(shards),
+        "samples": totals.samples,
+        "bytes": sum(s["bytes"] for s in shards),
+        "images": totals.images,
+        "text_only": totals.text_only,
+        "multi_image": totals.multi_image,
+        "turns": totals.turns,
+        "chars": totals.chars,
+        "sources": dict(sorted(totals.sources.items())),
+        "skipped": dict(sorted(skipped.items())),
+    }
+    if shard_root is not None:
+        index["shard_root"] = shard_root
+    return index
+
+
+def publish_skipped(
+    bad: Sequence[InputError], url: str, storage_options: Mapping[str, Any] | None = None
+) -> Counter:
+    """List the ``bad`` records or samples at ``url``, one JSON object a line (see
+    ``InputError.listed``), or remove the list an earlier run left there when there are
+    none. Returns their number per reason."""
+    if bad:
+        lines = (json.dumps(e.listed()) for e in bad)
+        publish_bytes(("\n".join(lines) + "\n").encode("utf-8"), url, storage_options)
+    else:
+        remove(url, storage_options)
+    return Counter(e.reason for e in bad)
+
+
+def stops(bad: Sequence[InputError], good: int, skip_bad: bool) -> bool:
+    """Whether a run over ``good`` good and ``bad`` bad records or samples must stop without
+    an index: bad ones found without ``skip_bad``, or nothing good."""
+    return bool(bad) and not skip_bad or not good
+
+
+def refuse_bad(
+    bad: list[InputError], good: int, skip_bad: bool, *, items: str, outcome: str, empty: str
+) -> None:
+    """Stop a run that ``stops``: ``BadInputError`` (``items``, ``outcome``: see there) when
+    there are bad records or samples, else ``ValueError(empty)`` (there was nothing)."""
+    if not stops(bad, good, skip_bad):
+        return
+    if bad:
+        raise BadInputError(bad, good + len(bad), items=items, outcome=outcome)
+    raise ValueError(empty)
+
+
+def upgrade_dataset(
+    source: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[int, dict]:
+    """Turn the version-1 index of ``source`` into version 2 without touching its tars: each
+    shard's sidecar is written beside it, then ``index.json`` is replaced (last, so a reader
+    sees the old index or the new one). Returns the version found and the index now."""
+    index = load_index(source, storage_options)
+    before = index["version"]
+    if before == VERSION:
+        return before, index
+    shards = []
+    for shard in index["shards"]:
+        entries = shard.pop("entries")
+        args = (shard["name"], entries, shard["bytes"], shard["sha256"], storage_options)
+        shards.append({**shard, **publish_sidecar(source, *args)})
+    upgraded = {**index, "version": VERSION, "shards": shards}
+    publish_bytes(dumps_index(upgraded), join(source, INDEX_NAME), storage_options)
+    return before, load_index(source, storage_options)

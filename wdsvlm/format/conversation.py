@@ -1,0 +1,183 @@
+"""Conversations as wdsvlm keeps them, from the record formats it reads.
+
+A conversation is ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``: an
+optional system turn first, then user and assistant turns by turns, each user turn answered.
+Three record formats hold one, told apart by their fields: LLaVA's ``conversations``
+(``[{from, value}]``), Cauldron's ``texts`` (``[{user, assistant}]``) and ``messages``
+(``[{role, content}]``, a content a string or a list of text and image parts).
+
+Image placement is kept as ``<image>`` markers in the message content, one per image, in the
+order of the images. A conversation that has no markers gets them at the start of its first
+user turn; one whose marker count differs from its image count is refused. The writer reads
+records this way, and so does the reader of tars that hold such records in a JSON member.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import InputError
+
+IMAGE_MARKER = "<image>"
+RECORD_FORMATS = ("llava", "cauldron", "messages")
+
+_FORMAT_FIELDS = {"conversations": "llava", "texts": "cauldron", "messages": "messages"}
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+
+def detect_format(raw: Any, path: str) -> str:
+    """The format of a record by its fields: ``conversations`` (LLaVA), ``texts``
+    (Cauldron) or ``messages`` (roles and contents)."""
+    if isinstance(raw, Mapping):
+        for name, fmt in _FORMAT_FIELDS.items():
+            if name in raw:
+                return fmt
+    raise ValueError(
+        f"cannot tell the format of {path}: its first record has none of 'conversations' "
+        "(LLaVA), 'texts' (Cauldron) or 'messages'; pass --format llava, cauldron or messages"
+    )
+
+
+def conversation_of(doc: Any, where: str) -> list[dict]:
+    """The checked messages of one record of any of the formats (told apart by its fields),
+    without placing images."""
+    if not isinstance(doc, Mapping):
+        raise InputError(where, "bad_record", f"expected a JSON object, got {type(doc).__name__}")
+    fmt = next((f for name, f in _FORMAT_FIELDS.items() if name in doc), None)
+    if fmt is None:
+        raise InputError(where, "bad_record", "none of 'conversations', 'texts', 'messages'")
+    messages = parse_messages(doc, fmt, where)
+    check_turns(messages, where)
+    return messages
+
+
+def parse_messages(raw: Mapping, fmt: str, where: str) -> list[dict]:
+    """The messages of a record of format ``fmt`` (one of ``RECORD_FORMATS``), their turns
+    not yet checked; ``InputError`` naming ``where`` if they are malformed."""
+    return _PARSERS[fmt](raw, where)
+
+
+def _llava(raw: Mapping, where: str) -> list[dict]:
+    conversations = raw.get("conversations")
+    if not isinstance(conversations, list) or not conversations:
+        raise InputError(where, "bad_record", "'conversations' must be a non-empty list")
+    messages = []
+    for n, turn in enumerate(conversations, start=1):
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise InputError(where, "bad_record", f"turn {n} needs 'from' and a string 'value'")
+        role = _ROLES.get(str(turn.get("from", "")).lower())
+        if role is None:
+            raise InputError(
+                where,
+                "bad_record",
+                f"turn {n} has unknown role {turn.get('from')!r} "
+                f"(expected one of {', '.join(sorted(_ROLES))})",
+            )
+        messages.append({"role": role, "content": turn["value"]})
+    return messages
+
+
+def _cauldron(raw: Mapping, where: str) -> list[dict]:
+    texts = raw.get("texts")
+    if not isinstance(texts, list) or not texts:
+        raise InputError(where, "bad_record", "'texts' must be a non-empty list of turns")
+    messages = []
+    if isinstance(raw.get("system"), str) and raw["system"]:
+        messages.append({"role": "system", "content": raw["system"]})
+    for n, turn in enumerate(texts, start=1):
+        if not isinstance(turn, dict) or not isinstance(turn.get("user"), str):
+            raise InputError(where, "bad_record", f"text {n} needs a string 'user'")
+        answer = turn.get("assistant")
+        if not isinstance(answer, str) or not answer.strip():
+            raise InputError(where, "no_assistant_answer", f"text {n} has no assistant answer")
+        messages.append({"role": "user", "content": turn["user"]})
+        messages.append({"role": "assistant", "content": answer})
+    return messages
+
+
+def _messages(raw: Mapping, where: str) -> list[dict]:
+    """``messages``: ``[{"role", "content"}]``, a content a string or a list of parts
+    (``{"type": "text", "text"}``, ``{"type": "image"}``: an image marker in its place)."""
+    turns = raw.get("messages")
+    if not isinstance(turns, list) or not turns:
+        raise InputError(where, "bad_record", "'messages' must be a non-empty list")
+    messages = []
+    for n, turn in enumerate(turns, start=1):
+        role = _ROLES.get(str(turn.get("role", "")).lower()) if isinstance(turn, Mapping) else None
+        if role is None:
+            raise InputError(
+                where, "bad_record", f"message {n} needs a role of user/assistant/system"
+            )
+        messages.append({"role": role, "content": _content(turn.get("content"), n, where)})
+    return messages
+
+
+def _content(content: Any, n: int, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "image":
+                parts.append(IMAGE_MARKER)
+            elif kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise InputError(where, "bad_record", f"message {n}: unknown content part {part!r}")
+        return "".join(parts)
+    raise InputError(
+        where, "bad_record", f"message {n}: content must be a string or a list of parts"
+    )
+
+
+_PARSERS = {"llava": _llava, "cauldron": _cauldron, "messages": _messages}
+
+
+def check_turns(messages: list[dict], where: str) -> None:
+    """An optional system turn first, then user and assistant turns by turns, each answered."""
+    expected = "user"
+    for n, message in enumerate(messages, start=1):
+        role = message["role"]
+        if role == "system":
+            if n != 1:
+                raise InputError(where, "bad_record", f"turn {n}: a system turn must come first")
+            continue
+        if role != expected:
+            if expected == "assistant":
+                raise InputError(
+                    where, "no_assistant_answer", f"user turn {n - 1} has no assistant answer"
+                )
+            raise InputError(where, "bad_record", f"turn {n} is an answer to no user turn")
+        if role == "assistant" and not message["content"].strip():
+            raise InputError(where, "no_assistant_answer", f"assistant turn {n} is empty")
+        expected = "assistant" if role == "user" else "user"
+    if expected == "assistant":
+        raise InputError(where, "no_assistant_answer", "the last user turn has no assistant answer")
+    if not any(m["role"] == "user" for m in messages):
+        raise InputError(where, "bad_record", "no user turn")
+
+
+def place_images(messages: list[dict], n_images: int, where: str) -> None:
+    """One ``<image>`` marker per image: added at the start of the first user turn where the
+    text has none; ``InputError`` when the text has markers but not one per image."""
+    markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
+    if markers == n_images:
+        return
+    if markers == 0:
+        first_user = next(m for m in messages if m["role"] == "user")
+        first_user["content"] = IMAGE_MARKER * n_images + "\n" + first_user["content"]
+        return
+    raise InputError(
+        where,
+        "image_count_mismatch",
+        f"{markers} {IMAGE_MARKER} placeholder(s) in the text but {n_images} image(s)",
+    )

@@ -1,0 +1,170 @@
+"""The global order of a pass, and the ranged reads it is read with.
+
+``PassOrder`` is a pure function of the sources, the seed and the pass, never of the topology:
+chunks (runs of neighbouring samples of a shard of about ``span_bytes``) visited in seeded
+random order, the samples of each visit in a seeded order of their own. ``span`` describes one
+ranged read of a shard as ``ReadSamples`` takes it; ``joins`` is the one rule for whether a
+sample joins a read. No torch, no I/O: testable alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .sources import DataSource
+
+# A span whose bytes are at most this is read in one go, however sparse its samples.
+DENSE_ENOUGH = 2**20
+
+
+def _rng(*parts: Any) -> np.random.Generator:
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:16], "little"))
+
+
+def span(
+    url: str,
+    shard: str,
+    entries: Sequence[dict],
+    *,
+    positions: Sequence[int] | None = None,
+    pass_: int = 0,
+    worker: int = 0,
+    source: str | None = None,
+    shard_bytes: int | None = None,
+    shard_sha256: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    layout: Mapping[str, Any] | None = None,
+) -> dict:
+    """One ranged read of shard ``url`` (shown as ``shard``), as ``ReadSamples`` takes it: the
+    bytes from the first of ``entries`` (index entries) to the end of the last, its samples
+    listed in reading order, with their ``positions`` (places), pass, worker and source, and
+    the shard's sample ``layout`` (``layouts.Layout.to_dict``) where it is not wdsvlm's own."""
+    out = {
+        "url": url,
+        "shard": shard,
+        "start": min(e["offset"] for e in entries),
+        "stop": max(e["offset"] + e["size"] for e in entries),
+        "entries": list(entries),
+        "positions": None if positions is None else list(positions),
+        "pass": pass_,
+        "worker": worker,
+        "source": source,
+        "storage_options": storage_options,
+    }
+    if shard_bytes is not None:  # a shard cache keeps whole shards of this size and sha256
+        out["shard_bytes"], out["shard_sha256"] = shard_bytes, shard_sha256
+    if layout and layout.get("name", "wdsvlm") != "wdsvlm":
+        out["layout"] = dict(layout)
+    return out
+
+
+def joins(start: int, stop: int, used: int, entry: dict, limit: int) -> bool:
+    """Whether ``entry`` joins the read ``[start, stop)`` holding ``used`` bytes of samples:
+    while the read stays within ``limit`` bytes and the samples fill at least a quarter of
+    it, or it is at most 1 MB."""
+    lo, hi = min(start, entry["offset"]), max(stop, entry["offset"] + entry["size"])
+    if hi - lo <= DENSE_ENOUGH:
+        return True
+    return hi - lo <= limit and (used + entry["size"]) * 4 >= hi - lo
+
+
+class PassOrder:
+    """The global order of one pass: every sample the pass holds, all sources together, as
+    ``(source, shard, entry)`` at places ``0 .. size - 1``. A pure function of the sources,
+    the seed and the pass, never of the topology, computed from per-shard counts alone: its
+    memory and time grow with the number of chunks, never with the number of samples.
+
+    It is built from chunks: runs of about ``span_bytes`` of neighbouring samples of a shard
+    (from the shard's sample count and bytes), each read with one ranged read. A pass visits
+    each chunk of a source ``copies`` times, and the source's ``extra`` samples of this pass
+    once more: a window of ``extra`` samples of the source in a seeded rotation order of its
+    chunks (fixed for the source), moved on by ``extra`` each pass, so that successive passes
+    rotate through the whole source; each chunk it touches is one more visit. The visits are
+    shuffled; the samples inside a visit are in a seeded order of their own, generated when
+    the visit is read (``entries_of``).
+    """
+
+    def __init__(self, sources: Sequence[DataSource], seed: int, pass_: int, span_bytes: int):
+        parts = []  # (source, shard, first entry, stop) arrays
+        for number, source in enumerate(sources):
+            shard, first, stop = _chunks(source, span_bytes)
+            for _ in range(source.copies):
+                parts.append((np.full(len(shard), number), shard, first, stop))
+            if source.extra:
+                extra = _extra_visits(source, number, seed, pass_, shard, first, stop)
+                parts.append((np.full(len(extra[0]), number), *extra))
+        columns = [np.concatenate([p[i] for p in parts]) for i in range(4)] if parts else None
+        if columns is None:
+            columns = [np.zeros(0, dtype=np.int64)] * 4
+        order = _rng("wdsvlm-pass", seed, pass_).permutation(len(columns[0]))
+        self.visit_source, self.visit_shard, self.first, self.stop = (
+            c.astype(np.int64)[order] for c in columns
+        )
+        self.starts = np.concatenate([[0], np.cumsum(self.stop - self.first)])
+        self.size = int(self.starts[-1])
+        self._seed, self._pass = seed, pass_
+        self._visits: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def visit_at(self, place: int) -> int:
+        return int(np.searchsorted(self.starts, place, side="right")) - 1
+
+    def entries_of(self, v: int) -> np.ndarray:
+        """The entry numbers of visit ``v`` (of its shard), in the visit's seeded order."""
+        entries = self._visits.get(v)
+        if entries is None:
+            first, stop = int(self.first[v]), int(self.stop[v])
+            entries = first + _rng("wdsvlm-visit", self._seed, self._pass, v).permutation(
+                stop - first
+            )
+            self._visits[v] = entries
+            while len(self._visits) > 8:
+                self._visits.popitem(last=False)
+        return entries
+
+    def entry_at(self, place: int) -> tuple[int, int, int]:
+        """``(source, shard, entry)`` at ``place``."""
+        v = self.visit_at(place)
+        entry = int(self.entries_of(v)[place - int(self.starts[v])])
+        return int(self.visit_source[v]), int(self.visit_shard[v]), entry
+
+
+def _chunks(source: DataSource, span_bytes: int):
+    """``(shard, first entry, stop)`` of each chunk of the source, in shard order: runs of
+    neighbouring samples of about ``span_bytes``, from each shard's sample count and bytes."""
+    shards = source.index["shards"]
+    samples = np.fromiter((s["samples"] for s in shards), dtype=np.int64, count=len(shards))
+    nbytes = np.fromiter((s.get("bytes") or 1 for s in shards), dtype=np.int64, count=len(shards))
+    per_chunk = np.maximum(1, span_bytes * samples // np.maximum(1, nbytes))
+    counts = -(-samples // per_chunk)
+    shard = np.repeat(np.arange(len(shards)), counts)
+    within = np.arange(len(shard)) - np.repeat(np.cumsum(counts) - counts, counts)
+    first = within * per_chunk[shard]
+    return shard, first, np.minimum(first + per_chunk[shard], samples[shard])
+
+
+def _extra_visits(source: DataSource, number: int, seed: int, pass_: int, shard, first, stop):
+    """``(shard, first entry, stop)`` of the visits holding the source's extra samples of this
+    pass: the window ``[pass * extra, (pass + 1) * extra)`` (modulo the source's size) of the
+    source's samples with its chunks in a seeded rotation order, fixed for the source."""
+    n = source.size
+    rotation = _rng("wdsvlm-extra", seed, number, source.name).permutation(len(shard))
+    shard, first, stop = shard[rotation], first[rotation], stop[rotation]
+    ends = np.cumsum(stop - first)
+    begins = ends - (stop - first)
+    start = (pass_ * source.extra) % n
+    windows = [(start, min(n, start + source.extra))]
+    if start + source.extra > n:  # wrapping round to the source's start
+        windows.append((0, start + source.extra - n))
+    out = [[], [], []]
+    for lo, hi in windows:
+        touched = (ends > lo) & (begins < hi)
+        out[0].append(shard[touched])
+        out[1].append(first[touched] + np.maximum(0, lo - begins[touched]))
+        out[2].append(first[touched] + np.minimum(stop - first, hi - begins)[touched])
+    return tuple(np.concatenate(parts) for parts in out)
