@@ -81,7 +81,7 @@ FAMILY_SIZES = {
 def family_mix(n: int, seed: int, family: str) -> list[tuple[int, int]]:
     """``(tokens, vision units)`` per sample: the text of ``realistic_mix``, images of web-like
     sizes counted by the family's code."""
-    from wdsvlm.families.processors import family_of
+    from wdsvlm.families.registry import family_of
     from wdsvlm.testing.tiny import tiny_processor
 
     processor = tiny_processor(family, **FAMILY_SIZES[family])

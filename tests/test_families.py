@@ -20,8 +20,9 @@ import wdsvlm
 import wdsvlm.families.qwen
 from wdsvlm.errors import TemplateError
 from wdsvlm.families import family_of
-from wdsvlm.families.processors import conversation, normalise, pixel_table
-from wdsvlm.pipeline.images import image_members, open_image
+from wdsvlm.families.hf_processor import conversation, pixel_table
+from wdsvlm.families.inputs import normalise
+from wdsvlm.format.images import image_members, open_image
 from wdsvlm.pipeline.tokenize import IGNORE_INDEX
 from wdsvlm.testing.tiny import tiny_model, tiny_processor
 

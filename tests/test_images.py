@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from wdsvlm.pipeline.images import UnreadableImage, probe_image, stored_bytes
+from wdsvlm.format.images import UnreadableImage, probe_image, stored_bytes
 
 
 def encode(img: Image.Image, fmt: str, **save) -> bytes:
@@ -55,7 +55,8 @@ def test_truncated_or_garbage_bytes_are_unreadable(cut):
 
 # --- tiling -------------------------------------------------------------------------------
 
-from wdsvlm.pipeline.images import DecodeImages, ImageConfig, image_tiles, tile_count, tile_grid  # noqa: E402
+from wdsvlm.families.tiling import ImageConfig, image_tiles, tile_count, tile_grid  # noqa: E402
+from wdsvlm.pipeline.images import DecodeImages  # noqa: E402
 from wdsvlm.pipeline.stats import SkipStats  # noqa: E402
 
 

@@ -134,7 +134,7 @@ def test_oversized_samples_are_dropped_and_reported():
         f"{s['name']}/{e['key']}"
         for s in index["shards"]
         for e in s["entries"]
-        if sum(wdsvlm.pipeline.images.tile_count(w, h, config) for w, h in e["images"]) > 4
+        if sum(wdsvlm.families.tiling.tile_count(w, h, config) for w, h in e["images"]) > 4
     }
     long = too_long(256, **SMALL)
     dropped = many_tiles | long

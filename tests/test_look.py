@@ -19,7 +19,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from wdsvlm.pipeline.images import ImageConfig, tile_count
+from wdsvlm.families.tiling import ImageConfig, tile_count
 from wdsvlm.pipeline.tokenize import Tokenize
 from wdsvlm.tools.bench import naive_samples
 from wdsvlm.tools.pictures import BATCH_PICTURE_SIZE, HISTOGRAM_SIZE, SHEET_ROW, SHEET_WIDTH
@@ -329,7 +329,7 @@ def test_naive_batches_keep_tiles_uint8():
 
 
 def test_hub_names_are_not_taken_for_missing_folders(monkeypatch):
-    from wdsvlm.pipeline.tokenize import load_tokenizer
+    from wdsvlm.families.tiling import load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError) as error:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wdsvlm.families.processors import content_items, normalise, pixel_affine, pixel_table
+from wdsvlm.families.hf_processor import content_items, pixel_affine, pixel_table
+from wdsvlm.families.inputs import normalise
 from wdsvlm.testing.tiny import tiny_processor
 
 

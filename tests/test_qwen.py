@@ -7,8 +7,10 @@ import pytest
 import torch
 from PIL import Image
 
-from wdsvlm.families.processors import family_of, normalise, pixel_table
+from wdsvlm.families.hf_processor import pixel_table
+from wdsvlm.families.inputs import normalise
 from wdsvlm.families.qwen import QwenFamily, mrope_positions
+from wdsvlm.families.registry import family_of
 from wdsvlm.testing.tiny import tiny_processor
 
 # tiny, thin, square, extreme aspect ratios, exact multiples, upscales and large ones

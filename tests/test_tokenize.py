@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from wdsvlm.pipeline.images import DecodeImages, ImageConfig, tile_count
+from wdsvlm.families.tiling import ImageConfig, tile_count
+from wdsvlm.pipeline.images import DecodeImages
 from wdsvlm.pipeline.plan import Plan, WorkerConfig
 from wdsvlm.pipeline.read import ReadSamples
 from wdsvlm.pipeline.stats import SkipStats

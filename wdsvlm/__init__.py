@@ -31,7 +31,7 @@ _HOMES = {
     "LoaderSettings": ".loader.settings",
     "Source": ".pipeline.sources",
     "ReadPolicy": ".storage.fs",
-    "model_inputs": ".families.processors",
+    "model_inputs": ".families.inputs",
     "block_causal_mask": ".pipeline.collate",
 }
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from ..pipeline.images import UnusableImage
+from ..families.hf_processor import ProcessorFamily
+from ..format.images import UnusableImage
 
 _NAMES = {
     "Qwen2VLProcessor": "qwen2_vl",
@@ -81,7 +82,7 @@ def mrope_positions(
     return out
 
 
-class QwenFamily:
+class QwenFamily(ProcessorFamily):
     """Qwen2-VL, Qwen2.5-VL and Qwen3-VL, with the numbers of the processor given."""
 
     names = tuple(_NAMES.values())  # what batch["family"] says
@@ -89,12 +90,11 @@ class QwenFamily:
     device_fields = ("image_grid_thw",)  # batch tensors model_fields hands to the model
 
     def __init__(self, processor: Any):
-        self.processor = processor
-        self.tokenizer = processor.tokenizer
+        super().__init__(processor)
         self.name = next(
             _NAMES[c.__name__] for c in type(processor).__mro__ if c.__name__ in _NAMES
         )
-        ip = self.image_processor = processor.image_processor
+        ip = self.image_processor
         if not getattr(ip, "do_resize", True):
             raise ValueError(
                 f"{type(ip).__name__} has do_resize=False: wdsvlm resizes as the processor "
@@ -108,7 +108,6 @@ class QwenFamily:
         self.max_pixels = int(size["longest_edge"])
         self.resample = ip.resample
         self.backend = getattr(ip, "backend", "pil")
-        self.placeholder = processor.image_token
         self.image_token_id = int(processor.image_token_id)
         self.unit_size = self.patch_size
 

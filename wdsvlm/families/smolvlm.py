@@ -39,12 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..families.hf_processor import ProcessorFamily
+
 if TYPE_CHECKING:
     import torch
     from PIL import Image
 
 
-class SmolVLMFamily:
+class SmolVLMFamily(ProcessorFamily):
     """Image costs, token ids and uint8 tiles for a SmolVLMProcessor or Idefics3Processor."""
 
     names = ("smolvlm", "idefics3")  # what batch["family"] says
@@ -62,10 +64,7 @@ class SmolVLMFamily:
                 f"{type(processor).__name__} has no replace_image_token(): SmolVLMFamily needs a "
                 "SmolVLMProcessor or Idefics3Processor from transformers >= 5."
             )
-        self.processor = processor
-        self.image_processor = ip
-        self.tokenizer = processor.tokenizer
-        self.placeholder: str = processor.image_token
+        super().__init__(processor)
         self.unit_size: int = int(ip.max_image_size["longest_edge"])
         self.longest_edge: int | None = int(ip.size["longest_edge"]) if ip.do_resize else None
         self.split: bool = bool(ip.do_image_splitting)

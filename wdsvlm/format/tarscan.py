@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..errors import InputError, ShardFormatError, StorageError
-from ..pipeline.images import UnreadableImage, image_size
+from ..format.images import UnreadableImage, image_size
 from ..storage.fs import filesystem
 from .builder import sample_entry
 from .index import FORMAT

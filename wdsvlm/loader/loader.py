@@ -21,7 +21,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..errors import WdsvlmError
-from ..families.processors import family_of
+from ..families.registry import family_of
+from ..families.tiling import ImageConfig, TilingFamily
 from ..loader.elastic import check_states, remap
 from ..loader.settings import (
     STATE_VERSION,
@@ -40,7 +41,6 @@ from ..loader.workers import (
     worker_context,
 )
 from ..pipeline.collate import Collate
-from ..pipeline.images import ImageConfig
 from ..pipeline.pack import BalanceBatches, Pack, tiles_cv
 from ..pipeline.plan import Plan, WorkerConfig
 from ..pipeline.read import ReadSamples
@@ -99,7 +99,6 @@ class Loader:
                 "Loader needs a tokenizer (the default tiling) or processor= (a model "
                 f"family's Hugging Face processor){both}"
             )
-        self.family = None if settings.processor is None else family_of(settings.processor)
         environment = WorkerConfig.from_environment(settings.num_workers)
         self.worker_config = WorkerConfig(
             environment.rank if settings.rank is None else settings.rank,
@@ -110,6 +109,16 @@ class Loader:
         self.batch_size = settings.batch_size
         self.image_config = ImageConfig(
             settings.tile_size, settings.max_image_side, settings.upscale
+        )
+        self.family = (  # a processor's family, else the default tiling with the tokenizer
+            family_of(settings.processor)
+            if settings.processor is not None
+            else TilingFamily(
+                self.image_config,
+                tokenizer,
+                tokens_per_tile=settings.tokens_per_tile,
+                image_token=settings.image_token,
+            )
         )
         self._skips = SkipStats(settings.max_consecutive_failures)
         self.plan = Plan(
@@ -128,11 +137,7 @@ class Loader:
                 "worker needs at least one sample a pass: use fewer workers"
             )
         self.tokenize = Tokenize(
-            tokenizer,
             family=self.family,
-            tokens_per_tile=settings.tokens_per_tile,
-            image_config=self.image_config,
-            image_token=settings.image_token,
             chat_template=settings.chat_template,
             stats=self._skips,
         )
@@ -150,13 +155,7 @@ class Loader:
             check_main_guarded(context)  # before a fork server starts, not in each worker
             self.dataloader_options["prefetch_factor"] = settings.prefetch_factor or 2
             self.dataloader_options["worker_init_fn"] = exit_with_training_process
-            preload = [type(tok).__module__]
-            if self.family is not None:  # the family's module and the processor's classes
-                preload += [
-                    type(self.family).__module__,
-                    type(self.family.processor).__module__,
-                    type(self.family.image_processor).__module__,
-                ]
+            preload = [type(tok).__module__, *self.family.modules]
             self.dataloader_options["multiprocessing_context"] = worker_context(
                 context, tuple(preload)
             )
@@ -168,7 +167,7 @@ class Loader:
             max_tiles_per_pack=self.max_tiles_per_pack,
             window=settings.pack_window,
             truncate=settings.truncate,
-            unit="tiles" if self.family is None else self.family.unit_name,
+            unit=self.family.unit_name,
         )
         self.balance = BalanceBatches(settings.batch_size)
         # a multiple of the workers, so that each gives the same number of batches an epoch
@@ -198,7 +197,6 @@ class Loader:
                 settings.max_length,
                 settings.batch_size,
                 self.pad_token_id,
-                image_config=self.image_config,
                 family=self.family,
                 stats=self._skips,
             ),

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import ShardFormatError, StorageError
-from ..pipeline.images import UnusableImage
+from ..format.images import UnusableImage
 from ..pipeline.order import span
 from ..pipeline.plan import Plan, WorkerConfig
 from ..pipeline.read import ReadSamples

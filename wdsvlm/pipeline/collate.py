@@ -15,8 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..families.processors import decode_units, pixel_affine, pixel_table
-from ..pipeline.images import ImageConfig, UnreadableImage, decode_into, uint8_tiles
+from ..families.base import Family
+from ..families.tiling import ImageConfig, TilingFamily
+from ..format.images import UnreadableImage
+from ..pipeline.images import uint8_tiles
 from ..pipeline.stats import SkipStats
 from ..pipeline.tokenize import IGNORE_INDEX
 
@@ -28,10 +30,10 @@ class Collate:
     ``pixel_values`` or image members still to decode). A sample whose image fails to decode
     here is left out of its row (counted as ``undecodable_image``); the row pads instead.
 
-    With a model ``family`` (see ``processors.py``) images become the family's uint8 units
-    and the batch gets the family's fields: its name (``family``), the pixel table that
-    ``model_inputs`` normalises with, and for the Qwen family ``image_grid_thw`` and
-    ``position_ids`` ``[4, B, L]``.
+    Images become the ``family``'s uint8 units (without one, the default tiling with
+    ``image_config``) and the batch gets the family's fields: for a processor's family its
+    name (``family``), the pixel table that ``model_inputs`` normalises with, and for the
+    Qwen family ``image_grid_thw`` and ``position_ids`` ``[4, B, L]``.
     """
 
     def __init__(
@@ -41,16 +43,14 @@ class Collate:
         pad_token_id: int,
         *,
         image_config: ImageConfig | None = None,
-        family: Any = None,
+        family: Family | None = None,
         stats: SkipStats | None = None,
     ):
-        self.family = family
-        self._table = None if family is None else pixel_table(family.image_processor)
-        self._affine = None if family is None else pixel_affine(family.image_processor)
+        self.family = family or TilingFamily(image_config)
+        self._constant_fields = self.family.constant_fields()  # made once, in every batch
         self.max_length = max_length
         self.batch_size = batch_size
         self.pad_token_id = pad_token_id
-        self.image_config = image_config or ImageConfig()
         self.stats = stats if stats is not None else SkipStats()
 
     def __call__(self, packs: Sequence[list[dict]]) -> dict[str, Any]:
@@ -59,8 +59,7 @@ class Collate:
         rows = [list(pack) for pack in packs] + [[]] * (self.batch_size - len(packs))
         samples = [s for row in rows for s in row]
         counts = [sum(s["image_tiles"]) for s in samples]
-        side = self.image_config.tile_size if self.family is None else self.family.unit_size
-        pixels = uint8_tiles(sum(counts), side)
+        pixels = uint8_tiles(sum(counts), self.family.unit_size)
         failed, start = [], 0
         for sample, n in zip(samples, counts, strict=True):
             if n:
@@ -75,21 +74,15 @@ class Collate:
             gone = {id(s) for s, _, _ in failed}
             rows = [[s for s in row if id(s) not in gone] for row in rows]
         batch = collate_rows(rows, self.max_length, self.pad_token_id, pixels)
-        family = self.family
-        if family is not None:
-            batch["family"] = family.name
-            batch["pixel_table"] = self._table
-            batch["pixel_affine"] = self._affine
-            batch.update(family.batch_fields(rows, batch))
+        batch.update(self._constant_fields)
+        batch.update(self.family.batch_fields(rows, batch))
         return batch
 
     def _fill(self, sample: dict, out: torch.Tensor) -> None:
         if "pixel_values" in sample:
             out.copy_(torch.as_tensor(sample["pixel_values"]))
-        elif self.family is not None:
-            decode_units(sample, self.family, out)
         else:  # decoded straight into the batch's tensor
-            decode_into(sample, self.image_config, out)
+            self.family.decode(sample, out)
 
 
 def _without(pixels: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:

@@ -337,7 +337,7 @@ def truncate_at_answer(sample: dict, max_length: int) -> dict | None:
     the first answer fits. The cut is at the end of an answer, so never inside an image's
     tokens; ``image_at`` (set by ``Tokenize``) says where each image's tokens start.
     """
-    from ..pipeline.images import image_members
+    from ..format.images import image_members
     from ..pipeline.tokenize import IGNORE_INDEX
 
     supervised = sample["labels"] != IGNORE_INDEX

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
-from ..pipeline.images import ImageConfig, image_members, tile_grid, to_rgb
+from ..families.tiling import ImageConfig, tile_grid
+from ..format.images import image_members, to_rgb
 from ..pipeline.tokenize import IGNORE_INDEX, Tokenize
 from ..progress import progress
 
@@ -64,7 +65,7 @@ def naive_tokens(
                 stop -= 1  # the newline after the end-of-turn token is not supervised
             labels[start:stop] = ids[start:stop]
     out_ids, out_labels, k = [], [], 0
-    per_tile = tokenize.tokens_per_tile
+    per_tile = tokenize.family.tokens_per_tile
     for t, label in zip(ids, labels, strict=True):
         if t == tokenize.image_token_id:
             out_ids += [t] * (tiles[k] * per_tile)
@@ -81,11 +82,11 @@ def naive_samples(samples: Iterator[dict], tokenize: Tokenize) -> Iterator[dict]
     for sample in samples:
         messages = json.loads(sample["json"])["messages"]
         per_image = [
-            naive_tiles(sample[name], tokenize.image_config) for name in image_members(sample)
+            naive_tiles(sample[name], tokenize.family.config) for name in image_members(sample)
         ]
         tiles = [len(t) for t in per_image]
         ids, labels = naive_tokens(tokenize, messages, tiles)
-        s = tokenize.image_config.tile_size
+        s = tokenize.family.config.tile_size
         yield {
             "__key__": sample["__key__"],
             "input_ids": ids,

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from ..families.processors import conversation, load_processor
-from ..pipeline.images import image_members, open_image
+from ..families.hf_processor import conversation
+from ..families.registry import load_processor
+from ..format.images import image_members, open_image
 from ..pipeline.tokenize import IGNORE_INDEX
 from ..tools.bench import bench_table, side_by_side, webdataset_batches
 
@@ -197,7 +198,7 @@ def processor_pipeline(
 
 
 def _normalised(batch: dict) -> None:
-    from ..families.processors import model_inputs
+    from ..families.inputs import model_inputs
 
     model_inputs(batch)
 

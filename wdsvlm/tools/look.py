@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ..pipeline.images import ImageConfig, image_members, tile_count, tile_grid
+from ..families.tiling import ImageConfig, tile_count, tile_grid
+from ..format.images import image_members
 from ..pipeline.stats import SkipStats
 from ..progress import progress
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
-from ..pipeline.images import _BAD_IMAGE, to_rgb
+from ..format.images import BAD_IMAGE_ERRORS, to_rgb
 from ..tools.look import IMAGE, SUPERVISED, TEXT, SampleView
 
 SHEET_WIDTH, SHEET_ROW = 1200, 220  # contact sheet: SHEET_WIDTH x (SHEET_ROW * samples)
@@ -86,7 +86,7 @@ def _thumbnail(data: bytes, box: tuple[int, int]) -> Image.Image | None:
             thumb = to_rgb(ImageOps.exif_transpose(img))
             thumb.thumbnail(box)
             return thumb
-    except _BAD_IMAGE:
+    except BAD_IMAGE_ERRORS:
         return None
 
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from ..errors import InputError, StorageError
 from ..format.builder import publish_sidecar, sample_entry
+from ..format.images import UnreadableImage, probe_image, stored_bytes
 from ..format.index import sample_key, shard_name
 from ..format.tarball import HashingTarWriter, member_bytes, tar_bytes
-from ..pipeline.images import UnreadableImage, probe_image, stored_bytes
 from ..storage.fs import join, publish_file, read_bytes, staging_file
 from .parquet import Embedded
 

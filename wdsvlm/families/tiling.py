@@ -1,0 +1,237 @@
+"""The default family: nanoVLM-style tiling, for a plain tokenizer.
+
+The long side is scaled to at most ``max_image_side`` (up to it only with ``upscale``), the
+image is resized to the grid of ``ceil(w / tile) x ceil(h / tile)`` whole tiles (stretching it
+by less than one tile) and cut into those tiles, row by row. When there is more than one
+tile, a global thumbnail of the whole image, resized to one tile, comes first. JPEGs are
+decoded at reduced size (PIL draft mode) whenever the grid is at most half the source, which
+is where most of the decode time goes on web-sized images.
+
+In the text, each ``<image>`` marker becomes the image token (the tokenizer's own, or
+``<image>``, added to a copy of the tokenizer when it lacks it), which is then repeated
+``tokens_per_tile`` times for each tile. The batches go to the model as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..families.base import decode_each
+from ..format.conversation import IMAGE_MARKER
+from ..format.images import open_image
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("wdsvlm.tiling")
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """How images become tiles."""
+
+    tile_size: int = 512
+    """Side of a square tile, in pixels."""
+    max_image_side: int = 1024
+    """The long side is scaled down to this (never up, unless ``upscale``)."""
+    upscale: bool = False
+    """Scale smaller images up so that their long side is ``max_image_side``."""
+
+    def __post_init__(self):
+        if self.tile_size < 1 or self.max_image_side < 1:
+            raise ValueError(
+                f"tile_size ({self.tile_size}) and max_image_side ({self.max_image_side}) "
+                "must be positive"
+            )
+
+
+def tile_grid(width: int, height: int, config: ImageConfig) -> tuple[int, int]:
+    """``(columns, rows)`` of whole tiles for an image displayed at ``width x height``."""
+    long_side = max(width, height)
+    scale = config.max_image_side / long_side
+    if not config.upscale:
+        scale = min(1.0, scale)
+    w = max(1, round(width * scale))
+    h = max(1, round(height * scale))
+    return math.ceil(w / config.tile_size), math.ceil(h / config.tile_size)
+
+
+def tile_count(width: int, height: int, config: ImageConfig) -> int:
+    """Tiles of one image: the grid, plus the global thumbnail when the grid has several."""
+    cols, rows = tile_grid(width, height, config)
+    return cols * rows + (cols * rows > 1)
+
+
+def image_tiles(
+    data: bytes,
+    config: ImageConfig,
+    expected_size: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode one image into uint8 tiles ``[n_tiles, 3, tile, tile]`` (thumbnail first).
+
+    ``expected_size`` is the displayed size the index recorded; an image of another size is
+    refused, since its tile count would not match the tokens already planned for it. ``out``,
+    if given, receives the tiles (a slice of a batch's tensor, say) and is returned.
+    Resizing is torch's antialiased bicubic on uint8, which matches Pillow's bicubic to within
+    2 levels and runs several times faster.
+    """
+    import torch  # here, not at the top: importing the tiling needs no torch
+
+    tile = config.tile_size
+    shape: list[int] = []  # (columns, rows), known once the size is
+
+    def target(width: int, height: int) -> tuple[int, int]:
+        shape[:] = tile_grid(width, height, config)
+        return shape[0] * tile, shape[1] * tile
+
+    img = open_image(data, expected_size, draft=target)
+    cols, rows = shape or tile_grid(*img.size, config)
+    with warnings.catch_warnings():  # read-only buffer: nothing below writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        pixels = torch.frombuffer(img.tobytes(), dtype=torch.uint8)
+    pixels = pixels.view(img.height, img.width, 3)
+    target_size = (cols * tile, rows * tile)
+    n_tiles = rows * cols + (rows * cols > 1)
+    if out is None:
+        out = torch.empty((n_tiles, 3, tile, tile), dtype=torch.uint8)
+    elif tuple(out.shape) != (n_tiles, 3, tile, tile):
+        raise ValueError(f"out has shape {tuple(out.shape)}, the image needs {n_tiles} tiles")
+    # [1, 3, H, W]
+    grid = _resize(pixels.permute(2, 0, 1).unsqueeze(0), target_size[1], target_size[0])
+    tiles = grid[0].view(3, rows, tile, cols, tile).permute(1, 3, 0, 2, 4)
+    if n_tiles > 1:
+        out[0] = _resize(grid, tile, tile)[0]
+    out[n_tiles - rows * cols :].view(rows, cols, 3, tile, tile).copy_(tiles)
+    return out
+
+
+def _resize(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """``[1, 3, h, w]`` uint8 to ``[1, 3, height, width]``, antialiased bicubic."""
+    import torch
+    from torch.nn.functional import interpolate
+
+    if images.shape[-2:] == (height, width):
+        return images.clone(memory_format=torch.contiguous_format)  # never a view of the input
+    return interpolate(images, size=(height, width), mode="bicubic", antialias=True)
+
+
+def decode_into(sample: dict, config: ImageConfig, out: torch.Tensor) -> None:
+    """Decode a sample's images into ``out``: their tiles, one after another."""
+    decode_each(
+        sample,
+        out,
+        lambda w, h: tile_count(w, h, config),
+        lambda data, size, part: image_tiles(data, config, size, out=part),
+    )
+
+
+def load_tokenizer(tokenizer: Any):
+    """A Hugging Face tokenizer object as is, or one loaded by name or path."""
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    name = str(tokenizer)
+    local = os.path.isabs(name) or name.startswith(("./", "../", "~"))  # "org/name" is a hub id
+    if local and not os.path.exists(os.path.expanduser(name)):
+        raise ValueError(f"cannot load the tokenizer {name!r}: there is no such folder")
+    try:
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load the tokenizer {str(tokenizer)!r}: {e}") from None
+
+
+class TilingFamily:
+    """The default tiling as a family (see the module doc).
+
+    ``tokenizer``: a Hugging Face tokenizer, or a name/path for ``AutoTokenizer``; None for
+    the image side alone (``DecodeImages``, ``Collate``). The image token is ``image_token``,
+    else the tokenizer's own ``image_token``, else ``<image>``; when the vocabulary lacks it,
+    it is added as a special token to a copy of the tokenizer (logged with its id: resize the
+    model's embeddings to ``len(family.tokenizer)``).
+    """
+
+    name = "tiling"
+    names: tuple[str, ...] = ()  # its batches carry no family name: no model_inputs
+    unit_name = "tiles"
+    device_fields: tuple[str, ...] = ()
+    chat_template = None  # the tokenizer's own, else ChatML
+
+    def __init__(
+        self,
+        config: ImageConfig | None = None,
+        tokenizer: Any = None,
+        *,
+        tokens_per_tile: int = 64,
+        image_token: str | None = None,
+    ):
+        if tokens_per_tile < 1:
+            raise ValueError(f"tokens_per_tile ({tokens_per_tile}) must be positive")
+        self.config = config or ImageConfig()
+        self.unit_size = self.config.tile_size
+        self.tokens_per_tile = tokens_per_tile
+        self.tokenizer = tok = None if tokenizer is None else load_tokenizer(tokenizer)
+        self.placeholder = image_token or getattr(tok, "image_token", None) or IMAGE_MARKER
+        self.image_token_id = None
+        if tok is None:
+            return
+        if len(tok.encode(self.placeholder, add_special_tokens=False)) != 1:
+            tok = self.tokenizer = copy.deepcopy(tok)
+            tok.add_tokens([self.placeholder], special_tokens=True)
+            log.warning(
+                "added the image token %r to a copy of the tokenizer as id %d; the "
+                "model's embeddings need %d rows",
+                self.placeholder,
+                tok.convert_tokens_to_ids(self.placeholder),
+                len(tok),
+            )
+        self.image_token_id = tok.convert_tokens_to_ids(self.placeholder)
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return (type(self).__module__,)
+
+    def chat_messages(self, messages: list[dict]) -> list[dict]:
+        """The messages with each ``<image>`` marker written as the image token."""
+        if self.placeholder == IMAGE_MARKER:
+            return messages
+        return [
+            {**m, "content": m["content"].replace(IMAGE_MARKER, self.placeholder)} for m in messages
+        ]
+
+    def image_cost(self, width: int, height: int) -> int:
+        return tile_count(width, height, self.config)
+
+    def image_token_ids(self, width: int, height: int) -> np.ndarray:
+        """The image token, ``tokens_per_tile`` times for each tile."""
+        n = self.image_cost(width, height) * self.tokens_per_tile
+        return np.full(n, self.image_token_id, dtype=np.int64)
+
+    def fingerprint_facts(self) -> list:
+        """Nothing: the tiling's settings are checked on resume as settings of their own."""
+        return []
+
+    def decode(self, sample: dict, out: torch.Tensor) -> None:
+        decode_into(sample, self.config, out)
+
+    def constant_fields(self) -> dict:
+        return {}
+
+    def batch_fields(self, rows: list[list[dict]], batch: dict) -> dict:
+        return {}
+
+    @staticmethod
+    def model_fields(batch: dict, units: Any, normalised: Any) -> dict:
+        raise ValueError(
+            "the default tiling's batches go to the model as they are: use input_ids, "
+            "labels, position_ids and pixel_values"
+        )
