@@ -17,8 +17,7 @@ from .errors import (
     WdsvlmError,
 )
 from .lazy import lazy_exports
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 _HOMES = {
     "write_dataset": ".write.writer",

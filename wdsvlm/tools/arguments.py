@@ -1,0 +1,291 @@
+"""The ``wdsvlm`` command line's arguments: one parser, its subcommands and their options."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from ..version import __version__
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """``"256MB"``, ``"1GiB"``, ``"500k"`` or a plain number of bytes (binary units)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"not a byte size: {text!r} (examples: 500000, 64MB, 1GiB)"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, like '{\"anon\": true}'")
+    return value
+
+
+def common_options(parser: argparse.ArgumentParser) -> None:
+    loudness = parser.add_mutually_exclusive_group()
+    loudness.add_argument("-v", "--verbose", action="store_true", help="log more, show tracebacks")
+    loudness.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bars, warnings only"
+    )
+    parser.add_argument(
+        "--storage-options",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help="fsspec options for bucket URLs, e.g. "
+        '\'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'',
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wdsvlm",
+        description="wdsvlm: image/prompt/response data as WebDataset shards, for VLM training.",
+        epilog="Exit codes: 0 ok, 1 runtime error, 2 usage error.",
+    )
+    parser.add_argument("--version", action="version", version=f"wdsvlm {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    write = commands.add_parser(
+        "write",
+        help="write LLaVA/Cauldron records as WebDataset shards with an index",
+        description="Write LLaVA- or Cauldron-style JSON/JSONL records and their images as "
+        "WebDataset tar shards plus index.json, to a folder or a bucket URL.",
+    )
+    write.add_argument(
+        "--input",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help="JSON/JSONL records, or Parquet as the Hugging Face Hub publishes it (images "
+        "embedded); globs such as 'data/train-*.parquet' and fsspec URLs; repeat for several",
+    )
+    write.add_argument(
+        "--image-root",
+        metavar="DIR",
+        help="where relative image paths start (default: the input file's folder)",
+    )
+    write.add_argument(
+        "--output",
+        required=True,
+        metavar="DIR_OR_URL",
+        help="dataset folder, or s3://, gs://, memory://, file:// URL",
+    )
+    write.add_argument(
+        "--format",
+        choices=("auto", "llava", "cauldron", "messages"),
+        default="auto",
+        help="records' layout: LLaVA 'conversations', Cauldron 'texts', or 'messages' with "
+        "roles; auto tells them apart by the first record's fields and says which",
+    )
+    write.add_argument("--samples-per-shard", type=int, default=5000, metavar="N")
+    write.add_argument(
+        "--max-shard-bytes",
+        type=byte_size,
+        default="256MiB",
+        metavar="B",
+        help="close a shard before it grows past this (default 256MiB)",
+    )
+    write.add_argument("--prefix", default="data", help="shard names: PREFIX-000000.tar, ...")
+    write.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes reading and writing (same output for any N)",
+    )
+    write.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="skip bad records (counted, listed in skipped.jsonl) instead of stopping",
+    )
+    write.add_argument("--overwrite", action="store_true", help="replace a dataset at the output")
+    write.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="local: processes on this machine; ray: Ray tasks (pip install 'wdsvlm[ray]'), "
+        "the same output",
+    )
+    write.add_argument(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="--engine ray: join this Ray cluster (e.g. auto, ray://head:10001) and use its "
+        "CPUs; without it --workers N starts a local Ray of N CPUs",
+    )
+    common_options(write)
+
+    verify = commands.add_parser(
+        "verify", help="check every shard of a dataset against its index (size and sha256)"
+    )
+    verify.add_argument("source", metavar="SOURCE", help="dataset folder or URL")
+    common_options(verify)
+
+    index = commands.add_parser(
+        "index",
+        help="index existing WebDataset tars where they are, without rewriting them",
+        description="Read each tar once and write the index the Loader needs (each sample's "
+        "byte range, image sizes from the image headers, characters per turn) beside the "
+        "tars or into --output: per-shard sidecars, index-skipped.jsonl for bad samples, and "
+        "index.json last. Layouts: wdsvlm (its own), captions (KEY.jpg + KEY.txt: user gets "
+        "the image and a prompt, the caption is the answer), conversations (KEY.json with "
+        "LLaVA 'conversations', Cauldron 'texts' or 'messages', beside the images). "
+        "--upgrade turns a version-1 wdsvlm index into version 2 instead.",
+    )
+    index.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="folder or URL prefix of the tars, or a brace pattern of tar URLs "
+        "('s3://b/ds/shard-{000000..000099}.tar')",
+    )
+    index.add_argument(
+        "--format",
+        choices=("auto", "wdsvlm", "captions", "conversations"),
+        default="auto",
+        help="the samples' layout; auto looks at the first samples and says what it found",
+    )
+    index.add_argument(
+        "--output",
+        metavar="DIR_OR_URL",
+        help="where the index goes when the tars' place is read-only (default: beside them)",
+    )
+    index.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="captions: the user prompts, one per line (default: wdsvlm's five, see README)",
+    )
+    index.add_argument(
+        "--prompt-seed", type=int, default=0, metavar="N", help="captions: seed of the pick"
+    )
+    index.add_argument("--workers", type=int, default=1, metavar="N", help="tars read at once")
+    index.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="index the good samples, count and list the bad in index-skipped.jsonl",
+    )
+    index.add_argument("--overwrite", action="store_true", help="replace an index at the output")
+    index.add_argument(
+        "--upgrade",
+        action="store_true",
+        help="turn a wdsvlm dataset's version-1 index into version 2 (nothing else is read)",
+    )
+    common_options(index)
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="print a few samples and draw them on a contact sheet",
+        description="Print samples as stored (key, images with sizes and tiles, each turn, "
+        "token counts with --tokenizer) and write a contact sheet PNG: each sample's images "
+        "beside its turns.",
+    )
+    inspect.add_argument(
+        "source", metavar="SOURCE", help="dataset folder or URL, or a mixture file (.yaml, .json)"
+    )
+    inspect.add_argument("-n", type=positive, default=5, metavar="N", help="samples (default 5)")
+    inspect.add_argument(
+        "--key", action="append", default=[], metavar="K", help="this sample (repeat for more)"
+    )
+    inspect.add_argument("--out", metavar="PNG", help="write the contact sheet here")
+    inspect.add_argument("--tokenizer", metavar="T", help="count tokens with this tokenizer")
+    pipeline_options(inspect)
+    common_options(inspect)
+
+    stats = commands.add_parser(
+        "stats",
+        help="sizes in tokens and tiles, drops, and the padding that packing saves",
+        description="Read the dataset (or its first --limit samples), tokenize it as the "
+        "loader does and print samples, images, tiles, tokens per sample, drops at "
+        "--max-length, and the padding of naive, fixed-length and packed batches; with --out, "
+        "write histograms and the batch picture as PNGs.",
+    )
+    stats.add_argument(
+        "source", metavar="SOURCE", help="dataset folder or URL, or a mixture file (.yaml, .json)"
+    )
+    stats.add_argument("--tokenizer", required=True, metavar="T", help="tokenizer name or folder")
+    stats.add_argument("--max-length", type=positive, required=True, metavar="L")
+    stats.add_argument(
+        "--batch-size",
+        type=positive,
+        default=8,
+        metavar="B",
+        help="samples per naive batch (default 8)",
+    )
+    stats.add_argument("--limit", type=positive, metavar="N", help="read only N samples")
+    stats.add_argument(
+        "--out", metavar="DIR", help="write tokens.png, tiles.png and batches.png here"
+    )
+    stats.add_argument(
+        "--max-tiles-per-pack",
+        type=positive,
+        metavar="N",
+        help="as the Loader's max_tiles_per_pack (default: no limit)",
+    )
+    stats.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    pipeline_options(stats)
+    common_options(stats)
+
+    bench = commands.add_parser(
+        "bench",
+        help="Loader throughput beside a naive webdataset pipeline, in one run",
+        description="Time wdsvlm.Loader and a naive webdataset pipeline doing the same work "
+        "(full decode, tokenize per sample, pad to the longest), one after the other, with "
+        "the same DataLoader workers; print rates and their ratios. With --processor, both "
+        "feed that model family: the naive side calls the Hugging Face processor per sample "
+        "and pads its output (float32 pixels), the Loader packs uint8 units that "
+        "wdsvlm.model_inputs normalises (counted in its time).",
+    )
+    bench.add_argument("source", metavar="SOURCE", help="dataset folder or URL")
+    bench.add_argument(
+        "--tokenizer", metavar="T", help="tokenizer name or folder (the default tiling)"
+    )
+    bench.add_argument(
+        "--processor",
+        metavar="P",
+        help="a model family's processor (name or folder for AutoProcessor), or tiny:FAMILY "
+        "(qwen2_vl, qwen2_5_vl, qwen3_vl, smolvlm, idefics3): the family's processor with its "
+        "published image sizes over the tiny tokenizer of shards_example, offline; "
+        "--tile-size, --max-image-side and --tokens-per-tile do not apply",
+    )
+    bench.add_argument("--max-length", type=positive, default=2048, metavar="L")
+    bench.add_argument("--batch-size", type=positive, default=8, metavar="B")
+    bench.add_argument(
+        "--workers", type=int, default=2, metavar="N", help="DataLoader workers (default 2)"
+    )
+    bench.add_argument("--limit", type=positive, metavar="N", help="stop after N samples")
+    bench.add_argument(
+        "--batches-only",
+        action="store_true",
+        help="with --processor: time wdsvlm's batches without model_inputs (on a GPU the "
+        "normalisation is the device's; here it would take the CPU from the workers)",
+    )
+    bench.add_argument("--json", action="store_true", help="print the result as JSON")
+    pipeline_options(bench)
+    common_options(bench)
+    return parser
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def pipeline_options(parser: argparse.ArgumentParser) -> None:
+    """How images become tiles and tokens, as the Loader's arguments of the same names."""
+    parser.add_argument("--tile-size", type=positive, default=512, metavar="PX")
+    parser.add_argument("--max-image-side", type=positive, default=1024, metavar="PX")
+    parser.add_argument("--tokens-per-tile", type=positive, default=64, metavar="N")

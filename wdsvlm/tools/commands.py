@@ -1,0 +1,180 @@
+"""What each ``wdsvlm`` subcommand does with its parsed arguments (the library does the work;
+these print its results)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def image_config(args: argparse.Namespace):
+    from ..pipeline.images import ImageConfig
+
+    return ImageConfig(args.tile_size, args.max_image_side)
+
+
+def reading_options(args: argparse.Namespace) -> dict:
+    """The arguments ``stats`` and ``bench`` read and tokenize the data with."""
+    return {
+        "image_config": image_config(args),
+        "tokens_per_tile": args.tokens_per_tile,
+        "storage_options": args.storage_options,
+        "show_progress": not args.quiet,
+    }
+
+
+def write(args: argparse.Namespace) -> None:
+    from ..write.writer import write_dataset
+
+    summary = write_dataset(
+        args.input,
+        args.output,
+        image_root=args.image_root,
+        storage_options=args.storage_options,
+        format=args.format,
+        samples_per_shard=args.samples_per_shard,
+        max_shard_bytes=args.max_shard_bytes,
+        prefix=args.prefix,
+        workers=args.workers,
+        skip_bad=args.skip_bad,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        engine=args.engine,
+        ray_address=args.ray_address,
+    )
+    print(summary)
+
+
+def verify(args: argparse.Namespace) -> None:
+    from ..format.index import verify_dataset
+
+    index = verify_dataset(args.source, args.storage_options)
+    totals = index["totals"]
+    print(
+        f"{args.source}: every shard matches the index "
+        f"(shards={totals['shards']} samples={totals['samples']} bytes={totals['bytes']})"
+    )
+
+
+def index(args: argparse.Namespace) -> None:
+    if not args.upgrade:
+        from ..write.tarindex import index_tars
+
+        prompts = None
+        if args.prompts:
+            with open(args.prompts, encoding="utf-8") as f:
+                prompts = [line.strip() for line in f if line.strip()]
+        summary = index_tars(
+            args.source,
+            output=args.output,
+            format=args.format,
+            prompts=prompts,
+            prompt_seed=args.prompt_seed,
+            workers=args.workers,
+            skip_bad=args.skip_bad,
+            overwrite=args.overwrite,
+            storage_options=args.storage_options,
+            show_progress=not args.quiet,
+        )
+        print(summary)
+        return
+    from ..format.builder import upgrade_dataset
+
+    before, index = upgrade_dataset(args.source, args.storage_options)
+    if before == index["version"]:
+        print(f"{args.source}: the index is version {before} already; nothing to do")
+    else:
+        print(
+            f"{args.source}: index version {before} -> {index['version']}: "
+            f"{len(index['shards'])} sidecars written, index.json replaced"
+        )
+
+
+def inspect(args: argparse.Namespace) -> None:
+    from ..tools.look import inspect_samples
+
+    views = inspect_samples(
+        args.source,
+        n=args.n,
+        keys=args.key,
+        tokenizer=args.tokenizer,
+        image_config=image_config(args),
+        tokens_per_tile=args.tokens_per_tile,
+        storage_options=args.storage_options,
+    )
+    print("\n\n".join(view.describe() for view in views))
+    if args.tokenizer is None:
+        print("(token counts: pass --tokenizer T)")
+    if args.out:
+        from ..tools.pictures import contact_sheet
+
+        width, height = contact_sheet(views, args.out)
+        print(f"contact sheet of {len(views)} samples: {args.out} ({width}x{height})")
+
+
+def stats(args: argparse.Namespace) -> None:
+    from ..tools.look import dataset_stats
+
+    if args.out:
+        from ..tools.pictures import pyplot
+
+        pyplot()  # no matplotlib: say so before reading the whole dataset
+    found = dataset_stats(
+        args.source,
+        args.tokenizer,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        limit=args.limit,
+        max_tiles_per_pack=args.max_tiles_per_pack,
+        **reading_options(args),
+    )
+    paths = []
+    if args.out:
+        import os
+
+        from ..tools.pictures import batch_picture, histograms
+
+        os.makedirs(args.out, exist_ok=True)
+        paths = histograms(found.tokens, found.tiles, args.max_length, args.out)
+        paths.append(os.path.join(args.out, "batches.png"))
+        batch_picture(found.picture, args.max_length, args.batch_size, paths[-1])
+    if args.json:
+        print(json.dumps({**found.as_dict(), "pictures": paths}, indent=2))
+        return
+    print(f"{args.source} at max_length {args.max_length}:")
+    print(found.table())
+    if paths:
+        print(f"pictures: {', '.join(paths)}")
+
+
+def bench(args: argparse.Namespace) -> None:
+    from ..tools.bench import bench_table, run_bench
+
+    if args.workers < 0:
+        raise ValueError(f"--workers must be 0 or more, not {args.workers}")
+    if (args.tokenizer is None) == (args.processor is None):
+        raise ValueError("give --tokenizer T or --processor P (one of them)")
+    if args.batches_only and args.processor is None:
+        raise ValueError("--batches-only goes with --processor")
+    sizes = {
+        "max_length": args.max_length,
+        "batch_size": args.batch_size,
+        "workers": args.workers,
+        "limit": args.limit,
+    }
+    if args.processor is not None:
+        from ..tools.bench_processor import processor_bench_table, run_processor_bench
+
+        result = run_processor_bench(
+            args.source,
+            args.processor,
+            **sizes,
+            storage_options=args.storage_options,
+            show_progress=not args.quiet,
+            model_inputs=not args.batches_only,
+        )
+        table = processor_bench_table
+    else:
+        result = run_bench(args.source, args.tokenizer, **sizes, **reading_options(args))
+        table = bench_table
+    print(json.dumps(result, indent=2) if args.json else table(result))
