@@ -49,7 +49,7 @@ from wdsvlm.pipeline.images import DecodeImages, ImageConfig  # noqa: E402
 from wdsvlm.pipeline.plan import Plan, WorkerConfig  # noqa: E402
 from wdsvlm.pipeline.read import ReadSamples  # noqa: E402
 from wdsvlm.pipeline.tokenize import Tokenize  # noqa: E402
-from wdsvlm.tools.bench import naive_samples  # noqa: E402
+from wdsvlm.tools.naive import naive_samples  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "shards_example", "tokenizer")

@@ -15,7 +15,7 @@ import pytest
 import wdsvlm
 from wdsvlm.errors import ShardFormatError
 from wdsvlm.format import sidecar
-from wdsvlm.tools.look import pick_entries
+from wdsvlm.tools.samples import pick_entries
 
 from .conftest import EXAMPLE, run_cli
 from .test_ddp import digest

@@ -21,7 +21,7 @@ from PIL import Image
 
 from wdsvlm.families.tiling import ImageConfig, tile_count
 from wdsvlm.pipeline.tokenize import Tokenize
-from wdsvlm.tools.bench import naive_samples
+from wdsvlm.tools.naive import naive_samples
 from wdsvlm.tools.pictures import BATCH_PICTURE_SIZE, HISTOGRAM_SIZE, SHEET_ROW, SHEET_WIDTH
 
 from .conftest import EXAMPLE, run_cli
@@ -315,7 +315,7 @@ def test_bench_on_one_shard_gives_the_naive_side_one_worker(llava_input, tmp_pat
 
 
 def test_naive_batches_keep_tiles_uint8():
-    from wdsvlm.tools.bench import pad_to_longest
+    from wdsvlm.tools.naive import pad_to_longest
 
     tokenize = Tokenize(TOKENIZER, tokens_per_tile=16, image_config=ImageConfig(128, 256))
     shard = os.path.join(EXAMPLE, sorted(n for n in os.listdir(EXAMPLE) if n.endswith(".tar"))[0])

@@ -168,7 +168,7 @@ def test_prompts_are_the_users_and_picked_per_key_by_a_seeded_hash(captions, tmp
     assert set(picks) == set(layout.prompts)  # both used over 20 keys
     assert picks == [Layout("captions", prompts=layout.prompts, seed=7).prompt(k) for k in keys]
     assert picks != [Layout("captions", prompts=layout.prompts, seed=8).prompt(k) for k in keys]
-    samples = wdsvlm.tools.look.inspect_samples(out, keys=[keys[0]])
+    samples = wdsvlm.tools.samples.inspect_samples(out, keys=[keys[0]])
     assert samples[0].messages[0]["content"] == "<image>\n" + picks[0]
 
 

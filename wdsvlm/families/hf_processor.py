@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from ..families.base import decode_each
 from ..format.conversation import IMAGE_MARKER
 from ..format.images import open_image
+from .base import decode_each
 
 # Image sizes whose costs and token ids stand for a processor's settings in a fingerprint.
 _PROBE_SIZES = [(1, 1), (64, 48), (640, 480), (300, 1700), (1600, 900)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..families.registry import family_class
+from .registry import family_class
 
 
 def _rescale_then_normalise(x, divisor, mean, std):

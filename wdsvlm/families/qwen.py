@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from ..families.hf_processor import ProcessorFamily
 from ..format.images import UnusableImage
+from .hf_processor import ProcessorFamily
 
 _NAMES = {
     "Qwen2VLProcessor": "qwen2_vl",

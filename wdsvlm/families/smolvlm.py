@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..families.hf_processor import ProcessorFamily
+from .hf_processor import ProcessorFamily
 
 if TYPE_CHECKING:
     import torch

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..families.base import decode_each
 from ..format.conversation import IMAGE_MARKER
 from ..format.images import open_image
+from .base import decode_each
 
 if TYPE_CHECKING:
     import torch

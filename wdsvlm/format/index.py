@@ -57,7 +57,7 @@ def load_index(source: str, storage_options: Mapping[str, Any] | None = None, po
         raise ShardFormatError(f"{url} is not valid JSON: {e}") from None
     check_index(index, url)
     if index["version"] >= 2:  # each shard's entries from its sidecar, when first needed
-        from ..format.sidecar import LazyEntries
+        from .sidecar import LazyEntries
 
         for shard in index["shards"]:
             sidecar = join(source, shard["sidecar"]["name"])

@@ -21,9 +21,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..errors import InputError, ShardFormatError, StorageError
-from ..format.images import UnreadableImage, image_size
 from ..storage.fs import filesystem
 from .builder import sample_entry
+from .images import UnreadableImage, image_size
 from .index import FORMAT
 from .layouts import BadSample, Layout, image_suffixes, split_name
 from .tarball import BLOCK, padded

@@ -18,9 +18,9 @@ import torch
 from ..families.base import Family
 from ..families.tiling import ImageConfig, TilingFamily
 from ..format.images import UnreadableImage
-from ..pipeline.images import uint8_tiles
-from ..pipeline.stats import SkipStats
-from ..pipeline.tokenize import IGNORE_INDEX
+from .images import uint8_tiles
+from .stats import SkipStats
+from .tokenize import IGNORE_INDEX
 
 
 class Collate:

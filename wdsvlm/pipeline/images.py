@@ -20,7 +20,7 @@ from ..format.images import (
     image_members,
     image_size,
 )
-from ..pipeline.stats import SkipStats
+from .stats import SkipStats
 
 if TYPE_CHECKING:
     import torch

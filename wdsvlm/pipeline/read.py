@@ -22,9 +22,9 @@ from typing import Any
 from ..errors import StorageError
 from ..format.layouts import BadSample, Layout
 from ..format.tarball import tar_members
-from ..pipeline.stats import SkipStats
 from ..storage.cache import ShardCache
 from ..storage.fs import ReadPolicy, read_range
+from .stats import SkipStats
 
 _DONE = object()
 

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import StorageError
-from ..storage.fs import ReadPolicy, read_range
+from .fs import ReadPolicy, read_range
 
 log = logging.getLogger("wdsvlm.cache")
 

@@ -25,7 +25,8 @@ from ..families.hf_processor import conversation
 from ..families.registry import load_processor
 from ..format.images import image_members, open_image
 from ..pipeline.tokenize import IGNORE_INDEX
-from ..tools.bench import bench_table, side_by_side, webdataset_batches
+from .bench import bench_table, side_by_side
+from .naive import webdataset_batches
 
 # The image sizes each family's checkpoints are published with (``tiny:FAMILY``): Qwen2-VL
 # and Qwen2.5-VL as transformers' Qwen2VLImageProcessor defaults (56x56 to 1280 28x28 merged

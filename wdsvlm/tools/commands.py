@@ -91,7 +91,7 @@ def index(args: argparse.Namespace) -> None:
 
 
 def inspect(args: argparse.Namespace) -> None:
-    from ..tools.look import inspect_samples
+    from .samples import inspect_samples
 
     views = inspect_samples(
         args.source,
@@ -106,17 +106,17 @@ def inspect(args: argparse.Namespace) -> None:
     if args.tokenizer is None:
         print("(token counts: pass --tokenizer T)")
     if args.out:
-        from ..tools.pictures import contact_sheet
+        from .pictures import contact_sheet
 
         width, height = contact_sheet(views, args.out)
         print(f"contact sheet of {len(views)} samples: {args.out} ({width}x{height})")
 
 
 def stats(args: argparse.Namespace) -> None:
-    from ..tools.look import dataset_stats
+    from .dataset_stats import dataset_stats
 
     if args.out:
-        from ..tools.pictures import pyplot
+        from .pictures import pyplot
 
         pyplot()  # no matplotlib: say so before reading the whole dataset
     found = dataset_stats(
@@ -132,7 +132,7 @@ def stats(args: argparse.Namespace) -> None:
     if args.out:
         import os
 
-        from ..tools.pictures import batch_picture, histograms
+        from .pictures import batch_picture, histograms
 
         os.makedirs(args.out, exist_ok=True)
         paths = histograms(found.tokens, found.tiles, args.max_length, args.out)
@@ -148,7 +148,7 @@ def stats(args: argparse.Namespace) -> None:
 
 
 def bench(args: argparse.Namespace) -> None:
-    from ..tools.bench import bench_table, run_bench
+    from .bench import bench_table, run_bench
 
     if args.workers < 0:
         raise ValueError(f"--workers must be 0 or more, not {args.workers}")
@@ -163,7 +163,7 @@ def bench(args: argparse.Namespace) -> None:
         "limit": args.limit,
     }
     if args.processor is not None:
-        from ..tools.bench_processor import processor_bench_table, run_processor_bench
+        from .bench_processor import processor_bench_table, run_processor_bench
 
         result = run_processor_bench(
             args.source,

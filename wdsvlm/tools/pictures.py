@@ -13,7 +13,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 from ..format.images import BAD_IMAGE_ERRORS, to_rgb
-from ..tools.look import IMAGE, SUPERVISED, TEXT, SampleView
+from .samples import IMAGE, SUPERVISED, TEXT, SampleView
 
 SHEET_WIDTH, SHEET_ROW = 1200, 220  # contact sheet: SHEET_WIDTH x (SHEET_ROW * samples)
 HISTOGRAM_SIZE = (1000, 420)  # tokens.png, tiles.png
