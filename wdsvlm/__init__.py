@@ -34,7 +34,7 @@ _LAZY = {
     "Tokenize": "pipeline.tokenize",
     "SkipStats": "pipeline.stats",
     "Pack": "pipeline.pack",
-    "Packer": "pipeline.pack",
+    "Packer": "pipeline.packer",
     "Collate": "pipeline.collate",
     "block_causal_mask": "pipeline.collate",
     "Loader": "loader.loader",

@@ -8,7 +8,6 @@ characters per token measured on a few samples) and agreed once through the proc
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -129,10 +128,8 @@ def characters_per_token(chosen: list[tuple], tokenize: Any, settings: Any) -> f
     with ThreadPoolExecutor(8) as pool:  # small reads: at once, not one round trip each
         parts = pool.map(lambda part: list(read(iter(part))), [spans[i::8] for i in range(8)])
         samples = [s for part in parts for s in part]
-    tokenize = copy.copy(tokenize)
-    tokenize.stats = quiet
     chars = text = 0
-    for sample in tokenize.encode(samples):
+    for sample in tokenize.encode(samples, stats=quiet):
         sizes = sample["__meta__"].get("images", [])
         image_tokens = sum(tokenize.image_numbers(w, h)[1] for w, h in sizes)
         chars += sum(sample["__meta__"].get("chars", []))
