@@ -34,8 +34,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from wdsvlm.pipeline.pack import Packer  # noqa: E402
-from wdsvlm.pipeline.pack import best_fit_decreasing as bfd_packs  # noqa: E402
+from wdsvlm.pipeline.packer import Packer  # noqa: E402
+from wdsvlm.pipeline.packer import best_fit_decreasing as bfd_packs  # noqa: E402
 
 TOKENS_PER_TILE = 64
 MAX_TILES_PER_PACK = 64
@@ -222,10 +222,10 @@ def tiles_per_batch_cv(packs, tiles_of, balanced, batch=8):
 
     as_samples = [[{"image_tiles": [tiles_of[i]]} for i in pack] for pack in packs]
     if balanced:
-        stage = BalanceBatches(batch)
-        for _ in stage(iter(as_samples)):
+        run = BalanceBatches(batch)(iter(as_samples))
+        for _ in run:
             pass
-        return stage.cv
+        return run.cv
     sums = [
         sum(tiles_of[i] for p in packs[j : j + batch] for i in p)
         for j in range(0, len(packs) - batch + 1, batch)

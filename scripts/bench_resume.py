@@ -23,7 +23,7 @@ sys.path.insert(0, REPO)
 
 import wdsvlm  # noqa: E402
 from wdsvlm import Source  # noqa: E402
-from wdsvlm.loader.elastic import held_places  # noqa: E402
+from wdsvlm.loader.state import WorkerState  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_worker_start  # noqa: E402
@@ -51,7 +51,7 @@ def main() -> None:
         states.append(loader.state_dict())
         loader.close()
     old = f"2 x {args.workers}"
-    held = sum(len(held_places(w)) for s in states for w in s["workers"])
+    held = sum(len(WorkerState.from_saved(w).held_places()) for s in states for w in s["workers"])
     print(
         f"{old} after {args.steps} steps: a rank's state {len(pickle.dumps(states[0]))} B "
         f"pickled, all ranks {len(pickle.dumps(states))} B; the buffers hold {held} samples"
@@ -63,7 +63,8 @@ def main() -> None:
         )
         start = time.perf_counter()
         loader.load_state_dict(states)
-        ranges = sum(len(r) for w in loader._states for _, r in w["read"]["segments"])
+        workers = loader.state_dict()["workers"]
+        ranges = sum(len(r) for w in workers for _, r in w["read"]["segments"])
         next(iter(loader))
         seconds = time.perf_counter() - start
         print(f"{f'{world} x {workers}':>14} {seconds:17.2f}s {ranges:>24}")

@@ -6,7 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wdsvlm.pipeline.pack import Pack, Packer, best_fill, best_fit_decreasing
+from wdsvlm.pipeline.pack import Pack
+from wdsvlm.pipeline.packer import Packer, best_fill, best_fit_decreasing
 
 samples_strategy = st.lists(
     st.tuples(st.integers(1, 700), st.integers(0, 12)), min_size=0, max_size=150
@@ -86,10 +87,11 @@ def test_pack_stage_counts_oversized_samples_as_dropped_by_key():
         {"__key__": "wide", "__shard__": "s", "num_tokens": 10, "image_tiles": [3, 3]},
         {"__key__": "ok2", "__shard__": "s", "num_tokens": 50, "image_tiles": [1]},
     ]
-    packs = list(stage(iter(samples)))
+    run = stage(iter(samples))
+    packs = list(run)
     assert [[s["__key__"] for s in p] for p in packs] == [["ok", "ok2"]]
-    figures = stage.pack_stats.as_dict()
-    assert stage.pack_stats.fill == 1.0
+    figures = run.stats.as_dict()
+    assert run.stats.fill == 1.0
     assert figures["dropped"] == {"too_many_tokens": 1, "too_many_tiles": 1}
     assert figures["dropped_examples"] == {
         "too_many_tokens": ["s/long"],
@@ -141,11 +143,12 @@ def test_pack_stage_truncates_instead_of_dropping_when_asked():
     stage = Pack(10, truncate=True)
     long = _tokenized("long", [("q", 2), ("a", 3), ("q", 4), ("a", 4)])  # 13 tokens
     hopeless = _tokenized("hopeless", [("q", 9), ("a", 3)])
-    packs = list(stage(iter([long, hopeless])))
+    run = stage(iter([long, hopeless]))
+    packs = list(run)
     assert [[s["__key__"] for s in p] for p in packs] == [["long"]]
     assert packs[0][0]["num_tokens"] == 5
-    assert stage.pack_stats.truncated == 1
-    assert stage.pack_stats.dropped == {"too_many_tokens": 1}
+    assert run.stats.truncated == 1
+    assert run.stats.dropped == {"too_many_tokens": 1}
 
 
 @settings(max_examples=100, deadline=None)
@@ -168,14 +171,14 @@ def test_balanced_batches_even_out_the_vision_load():
 
     rng = random.Random(0)
     tiles = [rng.choice([0, 0, 1, 3, 5, 10, 20]) for _ in range(800)]
-    stage = BalanceBatches(8)
-    list(stage(iter([[{"image_tiles": [t]}] for t in tiles])))
+    run = BalanceBatches(8)(iter([[{"image_tiles": [t]}] for t in tiles]))
+    list(run)
     in_order = [sum(tiles[i : i + 8]) for i in range(0, 800, 8)]
-    assert stage.cv < 0.6 * tiles_cv(len(in_order), sum(in_order), sum(x * x for x in in_order))
+    assert run.cv < 0.6 * tiles_cv(len(in_order), sum(in_order), sum(x * x for x in in_order))
 
 
 def test_a_fill_holding_the_largest_sample_is_preferred_when_nearly_as_full():
-    from wdsvlm.pipeline.pack import best_fill, with_partner
+    from wdsvlm.pipeline.packer import best_fill, with_partner
 
     tokens, tiles = [5, 5, 5, 5, 19], [0] * 5
     best = best_fill(tokens, tiles, 20, 10)

@@ -17,11 +17,11 @@ def keys(samples):
 
 
 def test_byte_bound_holds_with_large_images():
-    stage = Shuffle(buffer_size=1000, buffer_bytes=3_500_000, seed=0)
-    out = list(stage(iter(big_samples(50))))
+    run = Shuffle(buffer_size=1000, buffer_bytes=3_500_000, seed=0)(iter(big_samples(50)))
+    out = list(run)
     assert sorted(keys(out)) == keys(big_samples(50))
-    assert stage.peak_bytes <= 3_500_000
-    assert stage.peak_bytes == 3_000_000  # three 1 MB samples fit, a fourth would not
+    assert run.peak_bytes <= 3_500_000
+    assert run.peak_bytes == 3_000_000  # three 1 MB samples fit, a fourth would not
 
 
 def test_sample_bound_holds_and_order_is_mixed():
@@ -34,9 +34,9 @@ def test_sample_bound_holds_and_order_is_mixed():
 
 
 def test_a_sample_larger_than_the_byte_bound_passes_alone():
-    stage = Shuffle(buffer_size=10, buffer_bytes=100, seed=0)
-    out = list(stage(iter(big_samples(5, size=1000))))
-    assert len(out) == 5 and stage.peak_bytes == 1000
+    run = Shuffle(buffer_size=10, buffer_bytes=100, seed=0)(iter(big_samples(5, size=1000)))
+    out = list(run)
+    assert len(out) == 5 and run.peak_bytes == 1000
 
 
 def test_order_follows_seed_epoch_and_worker():

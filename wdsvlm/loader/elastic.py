@@ -4,7 +4,8 @@ A sample's place ``[pass, place]`` is in the pass's global order, the same on an
 (``plan.py``). So the states of all old ranks say exactly which planned samples were not yet
 yielded: for each old global worker, what it had left to read (the rest of its share, and
 any segments handed to it) and the places its buffers held (shuffle buffer, tokenizer batch,
-packing window, packs waiting for a batch). Passes that no old worker had begun are whole.
+packing window, packs waiting for a batch: ``WorkerState.held_places``). Passes that no old
+worker had begun are whole.
 
 Those unread places, pass by pass, are merged into sorted ranges and split into contiguous,
 near-equal parts over the new global workers; each new worker reads its part of each
@@ -15,41 +16,31 @@ O(old global workers + what the old buffers held).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from ..loader.stream import fresh_state
 from ..pipeline.plan import worker_share
-
-
-def held_places(state: Mapping[str, Any]) -> list[list[int]]:
-    """The places of every sample a worker's stream state holds in its buffers."""
-    window = state["window"]
-    places = list(state["shuffle"]["held"]) + list(state["tokenize"]) + list(window["places"])
-    for pack in list(window["ready"]) + list(state["balance"]):
-        places += pack
-    return places
+from .state import LoaderState, WorkerState
 
 
 def unread_ranges(
-    workers: Sequence[Mapping[str, Any]], pass_size: int
+    workers: Sequence[WorkerState], pass_size: int
 ) -> tuple[dict[int, list[list[int]]], int]:
     """The places not yet yielded by the old global workers (their stream states, in global
     worker order), as sorted disjoint ranges per pass; and the first pass no worker had
     begun (whole from there on). Overlapping places mean the states are not of one step of
     one run, and are refused."""
     old = len(workers)
-    later = max(w["read"]["next"] for w in workers)
+    later = max(w.read.next for w in workers)
     by_pass: dict[int, list[list[int]]] = {}
     for number, worker in enumerate(workers):
-        read = worker["read"]
-        for pass_, ranges in read["segments"]:
+        read = worker.read
+        for pass_, ranges in read.segments:
             by_pass.setdefault(pass_, []).extend([a, b] for a, b in ranges if a < b)
-        for pass_ in range(read["next"], later):
+        for pass_ in range(read.next, later):
             start, stop = worker_share(pass_size, number, old)
             if start < stop:
                 by_pass.setdefault(pass_, []).append([start, stop])
-        for pass_, place in held_places(worker):
+        for pass_, place in worker.held_places():
             by_pass.setdefault(pass_, []).append([place, place + 1])
     merged = {}
     for pass_, ranges in sorted(by_pass.items()):
@@ -83,15 +74,15 @@ def split(ranges: Sequence[Sequence[int]], part: int, parts: int) -> list[list[i
 
 
 def remap(
-    states: Sequence[Mapping[str, Any]],
+    states: Sequence[LoaderState],
     pass_size: int,
     rank: int,
     world_size: int,
     workers_per_rank: int,
-) -> list[dict]:
+) -> list[WorkerState]:
     """This rank's worker states (one per DataLoader worker) on the new topology, from the
     loader states of all ranks of the old run (rank order)."""
-    old = [worker for state in states for worker in state["workers"]]
+    old = [worker for state in states for worker in state.workers]
     unread, later = unread_ranges(old, pass_size)
     new_workers = world_size * workers_per_rank
     out = []
@@ -102,32 +93,32 @@ def remap(
             part = split(ranges, number, new_workers)
             if part:
                 segments.append([pass_, part])
-        out.append(fresh_state(later, segments))
+        out.append(WorkerState.fresh(later, segments))
     return out
 
 
-def check_states(states: Sequence[Mapping[str, Any]]) -> None:
+def check_states(states: Sequence[LoaderState]) -> None:
     """The states must be those of every rank of one run, in rank order, at one step."""
     if not states:
         raise ValueError("load_state_dict got an empty list of states")
     world = len(states)
     for rank, state in enumerate(states):
-        topology = state["topology"]
+        topology = state.topology
         if topology["world_size"] != world or topology["rank"] != rank:
             raise ValueError(
                 f"states[{rank}] is rank {topology['rank']} of {topology['world_size']}: "
                 f"pass the states of all {topology['world_size']} ranks of the old run, in "
                 "rank order"
             )
-        if len(state["workers"]) != max(1, topology["num_workers"]):
-            raise ValueError(f"states[{rank}] holds {len(state['workers'])} worker states")
+        if len(state.workers) != max(1, topology["num_workers"]):
+            raise ValueError(f"states[{rank}] holds {len(state.workers)} worker states")
     first = states[0]
     for rank, state in enumerate(states[1:], 1):
         for name in ("epoch", "done", "config"):
-            if state[name] != first[name]:
+            if getattr(state, name) != getattr(first, name):
                 raise ValueError(
                     f"states[{rank}] differs from states[0] in its {name}: the states are not "
                     "of one run at one step"
                 )
-        if state["topology"]["num_workers"] != first["topology"]["num_workers"]:
+        if state.topology["num_workers"] != first.topology["num_workers"]:
             raise ValueError(f"states[{rank}] has another num_workers than states[0]")

@@ -13,41 +13,18 @@ collective call, and ``state_dict()`` resumes exactly.
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..errors import WdsvlmError
-from ..families.registry import family_of
-from ..families.tiling import ImageConfig, TilingFamily
-from ..loader.elastic import check_states, remap
-from ..loader.settings import (
-    STATE_VERSION,
-    check_resume,
-    resume_config,
-    settings_from,
-    signature_with_settings,
-    upgrade_state,
-)
-from ..loader.sizing import estimate_batches
-from ..loader.stream import STATE_KEY, STATS_KEY, Stream, fresh_state
-from ..loader.workers import (
-    check_context,
-    check_main_guarded,
-    exit_with_training_process,
-    worker_context,
-)
-from ..pipeline.collate import Collate
-from ..pipeline.pack import BalanceBatches, Pack, tiles_cv
-from ..pipeline.plan import Plan, WorkerConfig
-from ..pipeline.read import ReadSamples
-from ..pipeline.shuffle import Shuffle
-from ..pipeline.stats import SkipStats
-from ..pipeline.tokenize import Tokenize
-from ..storage.cache import ShardCache
+from .build import build
+from .report import Yielded, epoch_stats
+from .resume import resume_point, topology_of
+from .settings import settings_from, signature_with_settings
+from .state import LoaderState, WorkerState
+from .stream import STATE_KEY, STATS_KEY
+from .workers import check_main_guarded
 
 log = logging.getLogger("wdsvlm.loader")
 
@@ -92,128 +69,19 @@ class Loader:
     """
 
     def __init__(self, source: Any, tokenizer: Any = None, **settings: Any):
-        self.settings = settings = settings_from(settings)
-        if (tokenizer is None) == (settings.processor is None):
-            both = ", not both" if tokenizer is not None else ""
-            raise TypeError(
-                "Loader needs a tokenizer (the default tiling) or processor= (a model "
-                f"family's Hugging Face processor){both}"
-            )
-        environment = WorkerConfig.from_environment(settings.num_workers)
-        self.worker_config = WorkerConfig(
-            environment.rank if settings.rank is None else settings.rank,
-            environment.world_size if settings.world_size is None else settings.world_size,
-            settings.num_workers,
-        )
-        self.max_length = settings.max_length
-        self.batch_size = settings.batch_size
-        self.image_config = ImageConfig(
-            settings.tile_size, settings.max_image_side, settings.upscale
-        )
-        self.family = (  # a processor's family, else the default tiling with the tokenizer
-            family_of(settings.processor)
-            if settings.processor is not None
-            else TilingFamily(
-                self.image_config,
-                tokenizer,
-                tokens_per_tile=settings.tokens_per_tile,
-                image_token=settings.image_token,
-            )
-        )
-        self._skips = SkipStats(settings.max_consecutive_failures)
-        self.plan = Plan(
-            source,
-            seed=settings.seed,
-            worker_config=self.worker_config,
-            storage_options=settings.storage_options,
-            read_policy=settings.read_policy,
-            samples_per_pass=settings.samples_per_pass,
-        )
-        if self.plan.num_samples < self.worker_config.global_workers:
-            raise ValueError(
-                f"{source}: {self.plan.num_samples} samples for "
-                f"{self.worker_config.global_workers} global workers (world_size "
-                f"{self.worker_config.world_size} x num_workers {settings.num_workers}); every "
-                "worker needs at least one sample a pass: use fewer workers"
-            )
-        self.tokenize = Tokenize(
-            family=self.family,
-            chat_template=settings.chat_template,
-            stats=self._skips,
-        )
-        tok = self.tokenize.tokenizer
-        # made before sizing the epoch: a fork server starts now, in the background
-        num_workers = settings.num_workers
-        self.dataloader_options = {
-            "batch_size": None,
-            "num_workers": num_workers,
-            "pin_memory": settings.pin_memory,
-            "persistent_workers": settings.persistent_workers and num_workers > 0,
-        }
-        if num_workers:
-            context = check_context(settings.multiprocessing_context)
-            check_main_guarded(context)  # before a fork server starts, not in each worker
-            self.dataloader_options["prefetch_factor"] = settings.prefetch_factor or 2
-            self.dataloader_options["worker_init_fn"] = exit_with_training_process
-            preload = [type(tok).__module__, *self.family.modules]
-            self.dataloader_options["multiprocessing_context"] = worker_context(
-                context, tuple(preload)
-            )
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        self.pad_token_id = 0 if pad is None else pad
-        self.max_tiles_per_pack = settings.tiles_per_pack
-        self.pack = Pack(
-            settings.max_length,
-            max_tiles_per_pack=self.max_tiles_per_pack,
-            window=settings.pack_window,
-            truncate=settings.truncate,
-            unit=self.family.unit_name,
-        )
-        self.balance = BalanceBatches(settings.batch_size)
-        # a multiple of the workers, so that each gives the same number of batches an epoch
-        # and none falls behind the others epoch after epoch
-        workers = self.worker_config.workers_per_rank
-        estimate = settings.batches_per_epoch or estimate_batches(
-            self.plan, self.tokenize, self.pack, settings, self.worker_config
-        )
-        self._batches_per_epoch = -(-estimate // workers) * workers
-        self.stream = Stream(
-            self.plan,
-            ReadSamples(
-                settings.storage_options,
-                stats=self._skips,
-                policy=settings.read_policy,
-                read_ahead=settings.read_ahead,
-                on_shard_error=settings.on_shard_error,
-                cache=ShardCache(settings.cache_dir, settings.cache_bytes)
-                if settings.cache_dir
-                else None,
-            ),
-            Shuffle(settings.shuffle_buffer, settings.shuffle_bytes, settings.seed),
-            self.tokenize,
-            self.pack,
-            self.balance,
-            Collate(
-                settings.max_length,
-                settings.batch_size,
-                self.pad_token_id,
-                family=self.family,
-                stats=self._skips,
-            ),
-            self._skips,
-            self._batches_per_epoch,
-        )
-        self._config = resume_config(  # what a saved state must agree with to resume exactly
-            settings,
-            max_tiles_per_pack=self.max_tiles_per_pack,
-            image_token=self.tokenize.image_token,
-            chat_template=self.tokenize.chat_template,
-            dataset=self._dataset_id(),
-            tokenizer=self.tokenize.fingerprint(),
-            batches_per_epoch=self._batches_per_epoch,
-        )
+        self.settings = settings_from(settings)
+        parts = build(source, tokenizer, self.settings)  # see build.py
+        self.family = parts.family
+        self.worker_config = parts.worker_config
+        self.plan = parts.plan
+        self.tokenize = parts.tokenize
+        self.stream = parts.stream
+        self.dataloader_options = parts.dataloader_options
+        self.pad_token_id = parts.pad_token_id
+        self._batches_per_epoch = parts.batches_per_epoch
+        self._config = parts.config
         self._worker_stats: dict = {}
-        self._yielded = [0, 0, 0, 0]
+        self._yielded = Yielded()
         self._dataloader = None
         if self.dataloader_options["persistent_workers"]:
             self.plan.share_epoch()
@@ -259,7 +127,9 @@ class Loader:
     def _start_afresh(self, epoch: int) -> None:
         self._epoch = epoch
         self._done = 0
-        self._states = [fresh_state(epoch) for _ in range(self.worker_config.workers_per_rank)]
+        self._states = [
+            WorkerState.fresh(epoch) for _ in range(self.worker_config.workers_per_rank)
+        ]
         self._restart_workers()
 
     def _restart_workers(self) -> None:
@@ -274,24 +144,6 @@ class Loader:
         estimate of what one pass packs into (see ``sizing.estimate_batches``), rounded up to a
         multiple of ``num_workers``."""
         return self._batches_per_epoch
-
-    def _dataset_id(self) -> str:
-        """The sources' shards (names, samples, bytes, sha256) and each source's share of a pass."""
-        sources = [
-            [
-                s.name,
-                s.copies,
-                s.extra,
-                [
-                    [h["name"], h["samples"], h.get("bytes"), h.get("sha256")]
-                    for h in s.index["shards"]
-                ],
-            ]
-            for s in self.plan.sources
-        ]
-        if not self.plan.mixture:  # as the first release recorded a dataset
-            sources = sources[0][3]
-        return hashlib.sha256(json.dumps(sources).encode()).hexdigest()[:16]
 
     def __iter__(self) -> Iterator[dict]:
         from torch.utils.data import DataLoader
@@ -308,7 +160,7 @@ class Loader:
         self.stream.job = {"epoch": self._epoch, "done": self._done, "states": list(self._states)}
         self.plan.epoch = self._epoch
         self._worker_stats = {}
-        self._yielded = [0, 0, 0, 0]  # packs, samples, tokens, tiles
+        self._yielded = Yielded()
         if self._dataloader is None:  # kept, so that persistent workers persist
             if self.dataloader_options["num_workers"]:
                 check_main_guarded(
@@ -321,11 +173,11 @@ class Loader:
         try:
             for batch in batches:
                 state = batch.pop(STATE_KEY)
-                self._states[state["role"]] = state["state"]
+                self._states[state["role"]] = state["state"]  # a WorkerState
                 report = batch.pop(STATS_KEY)
                 self._worker_stats[report.pop("worker")] = report
                 self._done += 1
-                self._count(batch)
+                self._yielded.count(batch)
                 yield batch
         except Exception as e:
             # Stop the workers now: the error's traceback holds the DataLoader's iterator, and
@@ -350,13 +202,6 @@ class Loader:
             raise WdsvlmError(f"epoch {self._epoch} ended after {self._done} of {total} batches")
         self._reusable = whole  # each worker's stream stands at the end of this epoch
 
-    def _count(self, batch: dict) -> None:
-        yielded = self._yielded
-        yielded[0] += sum(1 for row in batch["sample_keys"] if row)
-        yielded[1] += sum(len(row) for row in batch["sample_keys"])
-        yielded[2] += int(batch["attention_mask"].sum())
-        yielded[3] += int(batch["image_tiles"].sum())
-
     def close(self) -> None:
         """Stop the workers and any read-ahead thread now (also done when the loader goes)."""
         self.stream.forget()
@@ -375,14 +220,14 @@ class Loader:
         """Where this rank's loader stands: the epoch, the batches of it taken so far, and
         each worker's stream position (places of samples, no sample bytes). Save it with the
         model checkpoint, one per rank."""
-        return {
-            "version": STATE_VERSION,
-            "epoch": self._epoch,
-            "done": self._done,
-            "topology": self._topology(),
-            "config": dict(self._config),
-            "workers": copy.deepcopy(self._states),
-        }
+        state = LoaderState(
+            self._epoch,
+            self._done,
+            topology_of(self.worker_config),
+            dict(self._config),
+            list(self._states),
+        )
+        return state.saved()
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Go on from a ``state_dict()``: the next batches are the ones the saved run yielded
@@ -396,112 +241,28 @@ class Loader:
         ``len(loader)`` is estimated for the new topology, the same on every rank; the
         current epoch keeps the share of its batches already taken.
         """
-        if isinstance(state, Sequence) and not isinstance(state, Mapping):
-            states = [upgrade_state(s) for s in state]
-            check_states(states)
-            old = states[0]["topology"]
-            here = self._topology()
-            if (old["world_size"], old["num_workers"]) == (here["world_size"], here["num_workers"]):
-                state = states[here["rank"]]  # the same topology: exactly as saved
-            else:
-                self._load_elsewhere(states)
-                return
-        state = upgrade_state(state)
-        saved, here = state["topology"], self._topology()
-        if saved != here:
-            diff = ", ".join(
-                f"{k} {saved.get(k)} -> {v}" for k, v in here.items() if saved.get(k) != v
-            )
-            raise ValueError(
-                f"cannot resume: the loader state was saved with a different topology ({diff}). "
-                "One rank's state resumes only on the same rank, world_size and num_workers. "
-                "To change them, pass the list of the states of all ranks of the old run "
-                "instead (for example gathered on rank 0 with all_gather_object when saving)"
-            )
-        check_resume(state["config"], self._config)
-        saved_length = state["config"]["batches_per_epoch"]
-        if saved_length != self._batches_per_epoch:  # the saved run's epochs go on as they were
-            log.info("len(loader) is %d as saved (estimated %d now)", saved_length, len(self))
-            self._batches_per_epoch = self.stream.batches_per_epoch = saved_length
-            self._config["batches_per_epoch"] = saved_length
-        self._epoch = state["epoch"]
-        self._done = state["done"]
-        self._states = copy.deepcopy(state["workers"])
+        point = resume_point(
+            state,
+            self.worker_config,
+            self._config,
+            self.plan.num_samples,
+            self._batches_per_epoch,
+        )
+        # the saved run's epochs go on as they were (an elastic resume keeps this one's)
+        self._batches_per_epoch = self.stream.batches_per_epoch = point.batches_per_epoch
+        self._config["batches_per_epoch"] = point.batches_per_epoch
+        self._epoch = point.epoch
+        self._done = point.done
+        self._states = point.workers
         self._pinned = False
         self._restart_workers()
-
-    def _load_elsewhere(self, states: list[dict]) -> None:
-        """Resume the states of all ranks of a run on this loader's other topology."""
-        first = states[0]
-        saved_length = first["config"]["batches_per_epoch"]
-        check_resume(first["config"], self._config)
-        config = self.worker_config
-        self._states = remap(
-            states, self.plan.num_samples, config.rank, config.world_size, config.workers_per_rank
-        )
-        length = self._batches_per_epoch
-        self._epoch = first["epoch"]
-        self._done = min(length, round(first["done"] * length / saved_length))
-        log.info(
-            "resumed %d ranks x %d workers on %d x %d: epoch %d goes on at batch %d of %d "
-            "(%d of %d as saved)",
-            first["topology"]["world_size"],
-            first["topology"]["num_workers"],
-            config.world_size,
-            config.num_workers,
-            self._epoch,
-            self._done,
-            length,
-            first["done"],
-            saved_length,
-        )
-        self._pinned = False
-        self._restart_workers()
-
-    def _topology(self) -> dict:
-        config = self.worker_config
-        return {
-            "rank": config.rank,
-            "world_size": config.world_size,
-            "num_workers": config.num_workers,
-        }
 
     def stats(self) -> dict:
         """For the batches of this epoch yielded so far on this rank: fill ratio of the
         packed rows, samples and tiles per pack, tiles-per-batch spread; and, all workers
         together, drops, truncations and skipped samples (counts, and up to 10
         ``"SHARD/KEY"`` per reason and worker) in what the workers read this epoch."""
-        skips = SkipStats()
-        truncated = batches = tiles = squares = 0
-        dropped: dict = {}
-        dropped_examples: dict = {}
-        for report in self._worker_stats.values():
-            skips.merge(report["skips"])
-            packing = report["packing"]
-            truncated += packing["truncated"]
-            full_batches, batch_tiles, batch_squares = report["batch_tiles"]
-            batches += full_batches
-            tiles += batch_tiles
-            squares += batch_squares
-            for reason, n in packing["dropped"].items():
-                dropped[reason] = dropped.get(reason, 0) + n
-            for reason, keys in packing["dropped_examples"].items():
-                dropped_examples.setdefault(reason, []).extend(keys)
-        packs, samples, tokens, pack_tiles = self._yielded
-        capacity = packs * self.max_length
-        return {
-            "fill": tokens / capacity if capacity else 0.0,
-            "packs": packs,
-            "samples": samples,
-            "samples_per_pack": samples / packs if packs else 0.0,
-            "tiles_per_pack": pack_tiles / packs if packs else 0.0,
-            "tiles_per_batch_cv": tiles_cv(batches, tiles, squares),
-            "truncated": truncated,
-            "dropped": dropped,
-            "dropped_examples": dropped_examples,
-            "skipped": dict(skips.counts),
-            "skipped_examples": {k: list(v) for k, v in skips.examples.items()},
-        }
+        return epoch_stats(self._yielded, self._worker_stats, self.settings.max_length)
 
 
 Loader.__init__.__signature__ = signature_with_settings(Loader.__init__)

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..loader.workers import check_context
 from ..storage.fs import ReadPolicy
+from .workers import check_context
 
 log = logging.getLogger("wdsvlm.settings")
 
@@ -201,14 +201,18 @@ def fingerprint(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# What a saved state must agree with that is not a setting.
+_FACTS = ("dataset", "shards_sha256", "tokenizer", "batches_per_epoch")
+
+
 def resume_config(settings: LoaderSettings, **effective: Any) -> dict[str, Any]:
     """What a saved state must agree with to resume exactly: every batch-shaping setting, with
     the values in use where the settings leave them open (``effective``: the image token and
     chat template the tokenizer brought, the tile budget of a pack), plus the facts that are
-    not settings (``dataset``, ``tokenizer``, ``batches_per_epoch``)."""
+    not settings (``_FACTS``)."""
     config = settings.shaping()
     for name, value in effective.items():
-        if name in config or name in ("dataset", "tokenizer", "batches_per_epoch"):
+        if name in config or name in _FACTS:
             config[name] = value
         else:
             raise ValueError(f"{name} is not a batch-shaping setting or fact")

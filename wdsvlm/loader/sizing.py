@@ -13,7 +13,6 @@ faults, which another rank may not have met, is an error instead of a silently d
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -155,10 +154,8 @@ def characters_per_token(chosen: list[tuple], tokenize: Any, settings: Any) -> f
 
     with ThreadPoolExecutor(8) as pool:  # small reads: at once, not one round trip each
         samples = [s for part in pool.map(samples_of, spans) for s in part]
-    tokenize = copy.copy(tokenize)
-    tokenize.stats = quiet
     chars = text = 0
-    for sample in tokenize.encode(samples):
+    for sample in tokenize.encode(samples, stats=quiet):
         sizes = sample["__meta__"].get("images", [])
         image_tokens = sum(tokenize.image_numbers(w, h)[1] for w, h in sizes)
         chars += sum(sample["__meta__"].get("chars", []))

@@ -10,11 +10,12 @@ over, never dropped. So across all ranks and workers every sample comes once per
 Batch ``i`` of an epoch comes from the rank's DataLoader worker ``i % num_workers`` (the
 DataLoader's round-robin); each worker yields exactly its part of the epoch and stops.
 
-After each batch the worker notes its stream's state (``capture``): what is left to read (the
-rest of its share of the current pass, and any places of earlier passes an elastic resume
-handed it), and the places ``[pass, place]`` of the samples in the shuffle buffer, in the
-tokenizer's batch, in the packing window and in the packs waiting for a batch. Places are in
-each pass's global order, the same on any topology. A stream resumed from that state reads
+After each batch the worker notes its stream's state (``capture``, a ``state.WorkerState``):
+what is left to read (the rest of its share of the current pass, and any places of earlier
+passes an elastic resume handed it), and each buffering stage's run state: the places
+``[pass, place]`` of the samples in the shuffle buffer, in the tokenizer's batch, in the
+packing window and in the packs waiting for a batch. Places are in each pass's global order,
+the same on any topology. A stream resumed from that state reads
 those samples again by their index offsets and carries on with the same batches, bit for bit;
 the cost is bounded by the buffer and window sizes, never a replay of the epoch. States of all
 ranks of a run resume on another topology (``elastic.py``).
@@ -24,40 +25,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.utils.data import IterableDataset
 
 from ..errors import StorageError, WdsvlmError
 from ..pipeline.collate import Collate
-from ..pipeline.pack import BalanceBatches, Pack
+from ..pipeline.pack import BalanceBatches, BalanceRun, Pack, PackRun
+from ..pipeline.places import Fetch, Place
 from ..pipeline.plan import Plan
 from ..pipeline.read import ReadSamples
 from ..pipeline.shuffle import Shuffle
 from ..pipeline.stats import SkipStats
 from ..pipeline.tokenize import Tokenize
+from .state import ReadCursor, WorkerState
 
 STATE_KEY = "_wdsvlm_state"  # ride on each batch from the worker; the Loader removes them
 STATS_KEY = "_wdsvlm_stats"
-
-
-def place(sample: dict) -> list[int]:
-    """A sample's place: ``[pass, place in the pass's global order]`` (the same on any
-    topology)."""
-    return [sample["__pass__"], sample["__pos__"]]
-
-
-def fresh_state(epoch: int, segments: list | None = None) -> dict:
-    """A stream's state at the start of pass ``epoch``, with empty buffers; or, with
-    ``segments`` (``[[pass, [[a, b], ...]], ...]``, passes before ``epoch``), first those
-    places of earlier passes (what an elastic resume hands this worker)."""
-    return {
-        "read": {"segments": segments or [], "next": epoch},
-        "shuffle": {"held": [], "draws": 0, "stream": None, "last": None},
-        "tokenize": [],
-        "window": {"places": [], "came": [], "emitted": 0, "ready": []},
-        "balance": [],
-    }
 
 
 def quota(done: int, total: int, workers: int, role: int) -> int:
@@ -67,23 +52,31 @@ def quota(done: int, total: int, workers: int, role: int) -> int:
     return 0 if first >= total else (total - 1 - first) // workers + 1
 
 
-def unread(read: dict, last: Sequence[int] | None, share: tuple[int, int]) -> dict:
-    """What is left of a worker's reading (``{"segments", "next"}``, see ``fresh_state``)
-    once the sample at place ``last`` (``[pass, place]``) was taken: the reading order is
-    ascending in ``(pass, place)``, so that is everything after it."""
-    if last is None:
-        return read
-    last_pass, after = last[0], last[1] + 1
-    if last_pass >= read["next"]:  # in the worker's own share of a pass: segments all read
-        left = [[last_pass, [[after, share[1]]]]] if after < share[1] else []
-        return {"segments": left, "next": last_pass + 1}
-    segments = []
-    for pass_, ranges in read["segments"]:
-        if pass_ == last_pass:
-            ranges = [[max(a, after), b] for a, b in ranges if b > after]
-        if pass_ >= last_pass and ranges:
-            segments.append([pass_, ranges])
-    return {"segments": segments, "next": read["next"]}
+@dataclass
+class LiveStream:
+    """One worker's running stream: where its reading started (``read``), the reader, the
+    stages' runs in pipeline order, the batches, and what its epoch has ``left`` to give.
+    ``read_since_batch`` and ``accepted_at`` (what packing had taken in at the last batch)
+    are its progress."""
+
+    role: int
+    epoch: int
+    worker: int
+    read: ReadCursor
+    reader: Any
+    runs: list = field(default_factory=list)
+    batches: Iterator[dict] = field(default_factory=lambda: iter(()))
+    left: int = 0
+    read_since_batch: int = 0
+    accepted_at: int = 0
+
+    @property
+    def pack(self) -> PackRun:
+        return next(run for run in self.runs if isinstance(run, PackRun))
+
+    @property
+    def balance(self) -> BalanceRun:
+        return next(run for run in self.runs if isinstance(run, BalanceRun))
 
 
 class Stream(IterableDataset):
@@ -91,7 +84,7 @@ class Stream(IterableDataset):
     epoch's batches, each with the worker's stream state and running stats attached.
 
     ``job`` (set by the Loader before it starts workers) says which epoch, how many of its
-    batches were taken already (``done``) and each worker's stream state at that point.
+    batches were taken already (``done``) and each worker's ``WorkerState`` at that point.
     Worker ``w`` then plays the stream ``(done + w) % num_workers``, so that a resumed epoch
     goes on in the DataLoader's round-robin order. A persistent worker (or the training
     process itself, without workers) keeps its stream between epochs and goes straight on
@@ -116,18 +109,17 @@ class Stream(IterableDataset):
         self.shuffle = shuffle
         self.tokenize = tokenize
         self.pack = pack
-        self.balance = balance
         self.collate = collate
+        # the buffering stages, in the order of WorkerState's stage fields
+        self.stages = (shuffle, tokenize, pack, balance)
         self.skips = skips
         self.batches_per_epoch = batches_per_epoch
         self.job: dict[str, Any] = {
             "epoch": 0,
             "done": 0,
-            "states": [fresh_state(0)] * self.workers,
+            "states": [WorkerState.fresh(0)] * self.workers,
         }
-        self._live: dict | None = None
-        self._read_since_batch = 0  # samples read since the last batch, and what packing
-        self._accepted_at = 0  # had taken in at that batch: the stream's progress
+        self._live: LiveStream | None = None
 
     def __getstate__(self):
         # What a worker gets: the job, not a running stream; and the environment as it is
@@ -150,7 +142,7 @@ class Stream(IterableDataset):
         from ``job``."""
         live, self._live = self._live, None
         if live is not None:
-            live["reader"].close()
+            live.reader.close()
 
     def __iter__(self) -> Iterator[dict]:
         from torch.utils.data import get_worker_info
@@ -162,9 +154,9 @@ class Stream(IterableDataset):
         # the stats are per epoch; reset before a resumed stream reads its buffers again, so
         # that what it cannot read again is counted
         self.skips.reset()
-        if live and live["epoch"] == epoch - 1 and live["left"] == 0 and live["role"] == worker:
-            live["epoch"] = epoch  # the next epoch follows a whole one: go straight on
-            live["left"] = quota(0, self.batches_per_epoch, self.workers, worker)
+        if live and live.epoch == epoch - 1 and live.left == 0 and live.role == worker:
+            live.epoch = epoch  # the next epoch follows a whole one: go straight on
+            live.left = quota(0, self.batches_per_epoch, self.workers, worker)
         else:
             job = self.job
             if job["epoch"] != epoch:
@@ -172,109 +164,109 @@ class Stream(IterableDataset):
                     f"the loader asked for epoch {epoch} but set up epoch {job['epoch']}"
                 )
             role = (job["done"] + worker) % self.workers
-            self._read_since_batch, self._accepted_at = 0, self.pack.accepted
             live = self._live = self._start(role, epoch, job["states"][role])
-            live["left"] = quota(job["done"], self.batches_per_epoch, self.workers, role)
-        self.pack.pack_stats.reset()
-        self.balance.figures = [0, 0, 0]
-        while live["left"] > 0:
-            batch = next(live["batches"], None)
+            live.left = quota(job["done"], self.batches_per_epoch, self.workers, role)
+        live.pack.stats.reset()
+        live.balance.figures = [0, 0, 0]
+        while live.left > 0:
+            batch = next(live.batches, None)
             if batch is None:  # the stream is endless: only a bug ends it
-                raise WdsvlmError(f"the stream of worker {live['role']} ended")
-            live["left"] -= 1
-            self._read_since_batch, self._accepted_at = 0, self.pack.accepted
-            batch[STATE_KEY] = {"role": live["role"], "state": self.capture(live)}
+                raise WdsvlmError(f"the stream of worker {live.role} ended")
+            live.left -= 1
+            live.read_since_batch, live.accepted_at = 0, live.pack.accepted
+            batch[STATE_KEY] = {"role": live.role, "state": self.capture(live)}
+            packing = live.pack.stats
             batch[STATS_KEY] = {
-                "worker": live["role"],
+                "worker": live.role,
                 "skips": self.skips.as_dict(examples=10),  # rides on every batch: keep it small
-                "packing": self.pack.pack_stats.as_dict(examples=10),
-                "tokens": self.pack.pack_stats.tokens,
-                "capacity": self.pack.pack_stats.capacity,
-                "batch_tiles": list(self.balance.figures),
+                "packing": packing.as_dict(examples=10),
+                "tokens": packing.tokens,
+                "capacity": packing.capacity,
+                "batch_tiles": list(live.balance.figures),
             }
             yield batch
 
-    def _start(self, role: int, epoch: int, state: dict) -> dict:
-        """The stream of worker ``role`` from ``state`` (``fresh_state``, or a captured one:
-        the samples its buffers held are read again)."""
+    def _start(self, role: int, epoch: int, state: WorkerState) -> LiveStream:
+        """The stream of worker ``role`` from ``state`` (fresh, or a captured one: the
+        samples its stages held are read again, and each stage restored from its state)."""
         worker = self.plan.worker_config.global_worker(role)
-        held = state["shuffle"]["held"]
-        window = state["window"]["places"]
-        packs = state["window"]["ready"] + state["balance"]
-        again = self._read_again(
-            worker, held + state["tokenize"] + window + [p for pack in packs for p in pack]
-        )
+        again = self._read_again(worker, state.held_places())
+        reader = self.read(self._spans(worker, state.read))
+        live = LiveStream(role, epoch, worker, state.read, reader)
+        upstream: Iterator = self._watched(reader, live)
+        for k, (stage, saved) in enumerate(zip(self.stages, state.stages(), strict=True)):
+            upstream = stage.restore(saved, upstream, self._fetcher(again, self.stages[:k]))
+            live.runs.append(upstream)
+        live.batches = map(self.collate, upstream)
+        return live
 
-        def found(places):  # the samples read again (in skip mode, some may be gone)
-            return [again[tuple(p)] for p in places if tuple(p) in again]
+    def capture(self, live: LiveStream) -> WorkerState:
+        """The stream's state now: small lists of places, no sample bytes. What is left to
+        read follows the last sample the first stage (the shuffle buffer) took in."""
+        state = WorkerState.of(live.read, [run.state() for run in live.runs])
+        state.read = live.read.after(state.shuffle.last, self.plan.share(live.worker))
+        return state
 
-        came = [
-            c for p, c in zip(window, state["window"]["came"], strict=True) if tuple(p) in again
-        ]
-        reader = self.read(self._spans(worker, state["read"]))
-        stages = self.shuffle(
-            self._watched(reader, worker), resume={**state["shuffle"], "held": found(held)}
-        )
-        stages = self.tokenize(stages, resume=found(state["tokenize"]))
-        stages = self.pack(
-            stages,
-            resume={
-                "waiting": self._tokenized(found(window)),
-                "came": came,
-                "emitted": state["window"]["emitted"],
-                "ready": [
-                    pack
-                    for pack in (self._tokenized(found(p)) for p in state["window"]["ready"])
-                    if pack
-                ],
-            },
-        )
-        waiting = [
-            [self.pack.fit(s)[0] for s in self._tokenized(found(pack))] for pack in state["balance"]
-        ]
-        stages = self.balance(stages, resume=[pack for pack in waiting if pack])
-        return {
-            "role": role,
-            "epoch": epoch,
-            "read": state["read"],
-            "worker": worker,
-            "batches": map(self.collate, stages),
-            "reader": reader,
-        }
+    def _fetcher(self, again: dict[tuple, dict], before: Sequence[Any]) -> Fetch:
+        """The samples at some places as they come into the stage after ``before``: read
+        again (``again``), then passed through each of ``before`` (``again()``)."""
 
-    def _spans(self, worker: int, read: dict) -> Iterator[dict]:
-        for pass_, ranges in read["segments"]:  # places of earlier passes handed to it
+        def fetch(places: Sequence[Place]) -> list:
+            found = [again.get(tuple(p)) for p in places]
+            samples = [s for s in found if s is not None]
+            for stage in before:
+                passed = stage.again(samples)
+                if len(passed) != len(samples):
+                    kept = {id(s) for s in passed}  # the stages hand on the same dicts
+                    lost = [
+                        f"{s.get('__shard__')}/{s.get('__key__')}"
+                        for s in samples
+                        if id(s) not in kept
+                    ]
+                    raise WdsvlmError(
+                        f"cannot resume: samples the saved state holds no longer pass the "
+                        f"{type(stage).__name__} stage: {', '.join(lost[:5]) or '?'}"
+                    )
+                samples = passed
+            taken = iter(samples)
+            return [None if s is None else next(taken) for s in found]
+
+        return fetch
+
+    def _spans(self, worker: int, read: ReadCursor) -> Iterator[dict]:
+        for pass_, ranges in read.segments:  # places of earlier passes handed to it
             yield from self.plan.read_spans(pass_, ranges, worker)
-        pass_ = read["next"]
+        pass_ = read.next
         while True:  # pass after pass; every global worker has a share of each
             yield from self.plan.spans(pass_, worker)
             pass_ += 1
 
-    def _watched(self, samples: Iterator[dict], worker: int) -> Iterator[dict]:
+    def _watched(self, samples: Iterator[dict], live: LiveStream) -> Iterator[dict]:
         """``samples`` as read, counted. The stream is endless, so a share in which no sample
         can be packed (all bad data, or all outside the budgets) would be read for ever:
         once two passes' worth has been read since the last batch, beyond what the stages
         can hold (the shuffle buffer, a tokenizer batch), and packing took in none of it, no
         batch can come, and that is an error. Runs in the consumer's thread, as do the
         counts it reads."""
-        start, stop = self.plan.share(worker)
+        start, stop = self.plan.share(live.worker)
         share = stop - start
         limit = 2 * share + self.shuffle.buffer_size + self.tokenize.batch_size + 1
         for sample in samples:
-            self._read_since_batch += 1
-            if self._read_since_batch > limit and self.pack.accepted == self._accepted_at:
-                raise WdsvlmError(self._no_progress(worker, share))
+            live.read_since_batch += 1
+            if live.read_since_batch > limit and live.pack.accepted == live.accepted_at:
+                raise WdsvlmError(self._no_progress(live, share))
             yield sample
 
-    def _no_progress(self, worker: int, share: int) -> str:
+    def _no_progress(self, live: LiveStream, share: int) -> str:
         skipped = dict(self.skips.counts)
-        dropped = dict(self.pack.pack_stats.dropped)
+        dropped = dict(live.pack.stats.dropped)
         return (
-            f"no batch can come: global worker {worker} read {self._read_since_batch} samples "
-            f"(its share is {share} a pass) and none could be packed: skipped as bad data "
-            f"{skipped or 'none'}, dropped for not fitting {dropped or 'none'} (max_length "
-            f"{self.pack.max_length}, max_tiles_per_pack {self.pack.max_tiles_per_pack}). "
-            "Raise the budgets, pass truncate=True, or check the data (wdsvlm stats)"
+            f"no batch can come: global worker {live.worker} read {live.read_since_batch} "
+            f"samples (its share is {share} a pass) and none could be packed: skipped as bad "
+            f"data {skipped or 'none'}, dropped for not fitting {dropped or 'none'} "
+            f"(max_length {self.pack.max_length}, max_tiles_per_pack "
+            f"{self.pack.max_tiles_per_pack}). Raise the budgets, pass truncate=True, or "
+            "check the data (wdsvlm stats)"
         )
 
     def _read_again(self, worker: int, places: Sequence[Sequence[int]]) -> dict[tuple, dict]:
@@ -309,27 +301,3 @@ class Stream(IterableDataset):
                 'on_shard_error="skip" to go on without them (counted as skipped)'
             )
         return out  # in skip mode, the reader counted what is missing as skipped
-
-    def _tokenized(self, samples: list[dict]) -> list[dict]:
-        out = self.tokenize.encode(samples)
-        if len(out) != len(samples):
-            raise WdsvlmError("cannot resume: a sample of the saved state no longer tokenizes")
-        return out
-
-    def capture(self, live: dict) -> dict:
-        """The stream's state now: small lists of places, no sample bytes."""
-        shuffle = self.shuffle.state()
-        last = shuffle["last"]
-        window = self.pack.state()
-        return {
-            "read": unread(live["read"], last, self.plan.share(live["worker"])),
-            "shuffle": {**shuffle, "held": [place(s) for s in shuffle["held"]]},
-            "tokenize": [place(s) for s in self.tokenize.held()],
-            "window": {
-                "places": [place(s) for s in window["waiting"]],
-                "came": window["came"],
-                "emitted": window["emitted"],
-                "ready": [[place(s) for s in pack] for pack in window["ready"]],
-            },
-            "balance": [[place(s) for s in pack] for pack in self.balance.held()],
-        }

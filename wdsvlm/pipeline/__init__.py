@@ -16,7 +16,7 @@ _HOMES = {
     "Tokenize": ".tokenize",
     "SkipStats": ".stats",
     "Pack": ".pack",
-    "Packer": ".pack",
+    "Packer": ".packer",
     "Collate": ".collate",
 }
 

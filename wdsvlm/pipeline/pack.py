@@ -1,176 +1,19 @@
-"""Pack: tokenized samples in, packs (lists of samples filling one row of ``max_length``) out.
-
-A sliding window holds up to ``window`` samples. Each pack starts with the longest sample in
-the window (or the oldest, once it has waited ``max_wait`` packs: nothing waits for ever),
-then the rest of the row is filled by an exact subset-sum over the window's token counts (a
-bitset knapsack: the best fill reachable, not the first that greedy finds), under both
-budgets: ``max_length`` tokens and ``max_tiles_per_pack`` image tiles. A fill that takes the
-largest sample that fits beside the first one is preferred when it is as good within
-``_PARTNER_SLACK``: exact fills made of small samples would otherwise leave the mid-sized
-ones to pile up in the window, and pack badly when it drains. Samples left out stay in the
-window for later packs; none is dropped. At the end of a pass (and of the stream) the window
-drains by best-fit-decreasing over all it holds, or pack by pack when that needs fewer packs:
-one pack at a time would strand the long samples at the end without partners.
-
-Packing needs only ``(tokens, tiles)`` per sample, so it is a pure function of the input order
-and the settings; ``Packer`` does the work on those numbers, ``Pack`` is the pipeline stage.
+"""The packing stages: ``Pack`` (tokenized samples -> packs filling one row of
+``max_length``, by ``packer.Packer``) and ``BalanceBatches`` (packs -> batches of even vision
+load). Each runs an iteration as a ``StageRun`` whose state is places (``places.py``).
 """
 
 from __future__ import annotations
 
-import bisect
-import logging
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..pipeline.stats import tally
-
-log = logging.getLogger("wdsvlm.pack")
-
-# The share of max_length a fill may give up to take the largest sample that fits beside the
-# seed (see the module docstring). On scripts/bench_packing.py, against offline best-fit:
-# SmolVLM at 8192 +0.71 -> -0.28 pp, Qwen2.5-VL at 8192 +0.20 -> +0.07, the default mix at
-# 1024 +0.33 -> -0.69; 0.2% and 1% did worse, and trying the three largest no better.
-_PARTNER_SLACK = 0.005
-
-# When the best token fill breaks the tile budget, the chosen sample with the most tiles per
-# token is set aside (it buys the fewest tokens with the scarce tiles; setting aside the one
-# with the most tiles instead left 0.1 pp more padding on bench_packing.py --family
-# qwen2_5_vl --vision-budget 16384) and the fill searched again, at most this many times
-# before filling greedily.
-_TILE_RETRIES = 8
-
-
-def best_fill(
-    tokens: Sequence[int], tiles: Sequence[int], token_room: int, tile_room: int
-) -> list[int]:
-    """Indices of a subset with the largest token sum <= ``token_room`` and tile sum <=
-    ``tile_room``; among equal sums, earlier indices are preferred.
-
-    Exact for the token budget (a bitset subset-sum); the tile budget is met by setting aside
-    the samples with the most tiles per token and searching again, then greedily if that does
-    not settle it.
-    """
-    allowed = [i for i in range(len(tokens)) if tokens[i] <= token_room and tiles[i] <= tile_room]
-    for _ in range(_TILE_RETRIES):
-        chosen = _subset_sum(allowed, tokens, token_room)
-        used_tiles = sum(tiles[i] for i in chosen)
-        if used_tiles <= tile_room:
-            return chosen
-        allowed.remove(max(chosen, key=lambda i: (tiles[i] / max(tokens[i], 1), i)))
-    return _greedy(allowed, tokens, tiles, token_room, tile_room)
-
-
-def with_partner(
-    tokens: Sequence[int],
-    tiles: Sequence[int],
-    token_room: int,
-    tile_room: int,
-    best: list[int],
-    slack: int,
-) -> list[int]:
-    """``best`` (a fill of the room), or the best fill that holds the largest sample that
-    fits, if that one comes within ``slack`` tokens of it."""
-    fits = [j for j in range(len(tokens)) if tokens[j] <= token_room and tiles[j] <= tile_room]
-    if not fits:
-        return best
-    partner = max(fits, key=lambda j: (tokens[j], -j))
-    if any(tokens[i] == tokens[partner] for i in best):  # it holds one that large already
-        return best
-    others = [k for k in range(len(tokens)) if k != partner]
-    fill = best_fill(
-        [tokens[k] for k in others],
-        [tiles[k] for k in others],
-        token_room - tokens[partner],
-        tile_room - tiles[partner],
-    )
-    alternative = sorted([partner] + [others[k] for k in fill])
-    if sum(tokens[i] for i in alternative) >= sum(tokens[i] for i in best) - slack:
-        return alternative
-    return best
-
-
-def _subset_sum(items: list[int], tokens: Sequence[int], room: int) -> list[int]:
-    mask = (1 << (room + 1)) - 1
-    reach = [1]  # reach[k]: bitset of token sums reachable with items[:k]
-    for i in items:
-        reach.append((reach[-1] | (reach[-1] << tokens[i])) & mask)
-    best = reach[-1].bit_length() - 1
-    chosen = []
-    for k in range(len(items), 0, -1):  # walk back, leaving out later items when possible
-        if not (reach[k - 1] >> best) & 1:
-            chosen.append(items[k - 1])
-            best -= tokens[items[k - 1]]
-    return sorted(chosen)
-
-
-def _greedy(items, tokens, tiles, token_room, tile_room) -> list[int]:
-    chosen = []
-    for i in sorted(items, key=lambda i: (-tokens[i], i)):
-        if tokens[i] <= token_room and tiles[i] <= tile_room:
-            chosen.append(i)
-            token_room -= tokens[i]
-            tile_room -= tiles[i]
-    return sorted(chosen)
-
-
-@dataclass
-class PackStats:
-    """What packing did: fill, samples and tiles per pack, drops by reason."""
-
-    packs: int = 0
-    samples: int = 0
-    tokens: int = 0
-    tiles: int = 0
-    capacity: int = 0
-    truncated: int = 0
-    dropped: Counter = field(default_factory=Counter)
-    dropped_examples: dict = field(default_factory=dict)
-    """The first ``keep_examples`` ``"SHARD/KEY"`` dropped per reason."""
-    keep_examples: int = 1000
-
-    def drop(self, reason: str, sample: dict, detail: str) -> None:
-        """Count one sample that cannot be packed (too long, too many tiles): good data
-        outside the budgets, so it is not a failure and never trips the bad-data cap."""
-        tally(
-            self.dropped,
-            self.dropped_examples,
-            self.keep_examples,
-            reason,
-            sample,
-            detail,
-            "dropping",
-            log,
-        )
-
-    @property
-    def fill(self) -> float:
-        """Real tokens over the tokens the packs could hold."""
-        return self.tokens / self.capacity if self.capacity else 0.0
-
-    def reset(self) -> None:
-        """Count afresh (a new epoch)."""
-        self.packs = self.samples = self.tokens = self.tiles = self.capacity = 0
-        self.truncated = 0
-        self.dropped.clear()
-        self.dropped_examples.clear()
-
-    def as_dict(self, examples: int | None = None) -> dict:
-        """The figures; ``examples``: at most that many dropped keys per reason."""
-        return {
-            "packs": self.packs,
-            "samples": self.samples,
-            "fill": self.fill,
-            "samples_per_pack": self.samples / self.packs if self.packs else 0.0,
-            "tiles_per_pack": self.tiles / self.packs if self.packs else 0.0,
-            "truncated": self.truncated,
-            "dropped": dict(self.dropped),
-            "dropped_examples": {k: v[:examples] for k, v in self.dropped_examples.items()},
-        }
+from .packer import Packer, PackStats
+from .places import Fetch, Place, StageRun, copied, places_of, present
 
 
 def tiles_cv(batches: int, total: int, squares: int) -> float:
@@ -181,156 +24,6 @@ def tiles_cv(batches: int, total: int, squares: int) -> float:
     return math.sqrt(max(0.0, squares / batches - mean * mean)) / mean
 
 
-class Packer:
-    """Streaming packer on numbers: feed ``(item, tokens, tiles)``, take packs of items.
-
-    ``push`` returns the packs that became ready (at most one: a window that is full emits
-    one pack before it takes the next sample); ``drain`` empties the window at the end.
-    Oversized items are refused by ``push`` with the reason, never packed.
-
-    Each pack starts with the sample that is hardest to place later, the longest (as
-    best-fit-decreasing does), unless the oldest has already waited ``max_wait`` packs (default:
-    the window size), which bounds how long any sample stays; the best fill of the room left
-    follows.
-    """
-
-    def __init__(
-        self,
-        max_length: int,
-        max_tiles_per_pack: int | None = None,
-        window: int = 500,
-        max_wait: int | None = None,
-    ):
-        if max_length < 1 or window < 1:
-            raise ValueError(f"max_length ({max_length}) and window ({window}) must be positive")
-        self.max_length = max_length
-        self.max_tiles = max_tiles_per_pack if max_tiles_per_pack is not None else 1 << 62
-        self.window = window
-        self.max_wait = max_wait if max_wait is not None else window
-        self.waiting: list[tuple] = []  # (item, tokens, tiles, packs emitted when it came in)
-        self.emitted = 0
-        self.stats = PackStats()
-
-    def oversized(self, tokens: int, tiles: int) -> str | None:
-        """Why a sample can never be packed, or None."""
-        if tokens > self.max_length:
-            return "too_many_tokens"
-        if tiles > self.max_tiles:
-            return "too_many_tiles"
-        return None
-
-    def push(self, item, tokens: int, tiles: int) -> list[list]:
-        reason = self.oversized(tokens, tiles)
-        if reason:
-            self.stats.dropped[reason] += 1
-            return []
-        ready = [self._emit()] if len(self.waiting) >= self.window else []
-        self.waiting.append((item, tokens, tiles, self.emitted))
-        return ready
-
-    def drain(self) -> Iterator[list]:
-        """Empty the window at the end of the stream: pack by pack as in the stream, or by
-        best-fit-decreasing over all it holds, whichever needs fewer packs (one pack at a
-        time strands the long samples at the end without partners; BFD places them first)."""
-        waiting = self.waiting
-        if not waiting:
-            return
-        tokens = [w[1] for w in waiting]
-        tiles = [w[2] for w in waiting]
-        one_by_one = self._one_by_one(tokens, tiles, [w[3] for w in waiting])
-        bfd = best_fit_decreasing(tokens, tiles, self.max_length, self.max_tiles)
-        chosen = bfd if len(bfd) < len(one_by_one) else one_by_one
-        self.waiting = []
-        for pack in chosen:
-            yield self._take(waiting, pack)
-
-    def _one_by_one(self, tokens: list[int], tiles: list[int], came: list[int]) -> list[list[int]]:
-        """The packs ``_emit`` would make of the window, as index lists, window untouched."""
-        left = list(range(len(tokens)))
-        emitted = self.emitted
-        packs = []
-        while left:
-            packs.append(
-                [
-                    left[i]
-                    for i in self._choose(
-                        [tokens[j] for j in left],
-                        [tiles[j] for j in left],
-                        emitted - came[left[0]] >= self.max_wait,
-                    )
-                ]
-            )
-            taken = set(packs[-1])
-            left = [j for j in left if j not in taken]
-            emitted += 1
-        return packs
-
-    def _emit(self) -> list:
-        waiting = self.waiting
-        chosen = self._choose(
-            [w[1] for w in waiting],
-            [w[2] for w in waiting],
-            self.emitted - waiting[0][3] >= self.max_wait,
-        )
-        taken = set(chosen)
-        self.waiting = [w for i, w in enumerate(waiting) if i not in taken]
-        return self._take(waiting, chosen)
-
-    def _choose(self, tokens: list[int], tiles: list[int], oldest_first: bool) -> list[int]:
-        """One pack of the window (indices, sorted): its seed (the longest, or the oldest
-        when ``oldest_first``) and the best fill of the room left."""
-        seed = 0 if oldest_first else max(range(len(tokens)), key=lambda i: (tokens[i], -i))
-        others = [i for i in range(len(tokens)) if i != seed]
-        rest_tokens = [tokens[i] for i in others]
-        rest_tiles = [tiles[i] for i in others]
-        token_room = self.max_length - tokens[seed]
-        tile_room = self.max_tiles - tiles[seed]
-        rest = with_partner(
-            rest_tokens,
-            rest_tiles,
-            token_room,
-            tile_room,
-            best_fill(rest_tokens, rest_tiles, token_room, tile_room),
-            int(_PARTNER_SLACK * self.max_length),
-        )
-        return sorted([seed] + [others[i] for i in rest])
-
-    def _take(self, waiting: list[tuple], chosen: list[int]) -> list:
-        """The items at ``chosen`` of ``waiting`` as one emitted pack, counted."""
-        self.emitted += 1
-        self.stats.packs += 1
-        self.stats.samples += len(chosen)
-        self.stats.tokens += sum(waiting[i][1] for i in chosen)
-        self.stats.tiles += sum(waiting[i][2] for i in chosen)
-        self.stats.capacity += self.max_length
-        return [waiting[i][0] for i in chosen]
-
-
-def best_fit_decreasing(
-    tokens: Sequence[int], tiles: Sequence[int], max_length: int, max_tiles: int
-) -> list[list[int]]:
-    """Offline best-fit-decreasing under both budgets: each item, longest first, goes into
-    the open pack it leaves least token room in (among those with tile room for it), else
-    into a new one. Packs as sorted index lists, in the order they were opened."""
-    rooms: list[tuple[int, int]] = []  # (token room, pack number), sorted
-    tile_rooms: list[int] = []
-    packs: list[list[int]] = []
-    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], -tiles[i], i)):
-        at = bisect.bisect_left(rooms, (tokens[i], -1))
-        while at < len(rooms) and tile_rooms[rooms[at][1]] < tiles[i]:
-            at += 1
-        if at == len(rooms):
-            number, room = len(packs), max_length
-            packs.append([])
-            tile_rooms.append(max_tiles)
-        else:
-            room, number = rooms.pop(at)
-        packs[number].append(i)
-        tile_rooms[number] -= tiles[i]
-        bisect.insort(rooms, (room - tokens[i], number))
-    return [sorted(p) for p in packs]
-
-
 def truncate_at_answer(sample: dict, max_length: int) -> dict | None:
     """The sample cut after its last whole answer (with its end-of-turn token) that fits in
     ``max_length``, dropping the images whose tokens fall after the cut; None when not even
@@ -338,7 +31,7 @@ def truncate_at_answer(sample: dict, max_length: int) -> dict | None:
     tokens; ``image_at`` (set by ``Tokenize``) says where each image's tokens start.
     """
     from ..format.images import image_members
-    from ..pipeline.tokenize import IGNORE_INDEX
+    from .tokenize import IGNORE_INDEX
 
     supervised = sample["labels"] != IGNORE_INDEX
     run_ends = supervised & ~np.append(supervised[1:], False)
@@ -360,6 +53,38 @@ def truncate_at_answer(sample: dict, max_length: int) -> dict | None:
     return out
 
 
+@dataclass
+class WindowState:
+    """Where a packing window stands: the ``places`` of the samples waiting in it (window
+    order), when each ``came`` (in packs emitted), the count of packs ``emitted``, and the
+    packs made but not yet handed on (``ready``, as places)."""
+
+    places: list[Place] = field(default_factory=list)
+    came: list[int] = field(default_factory=list)
+    emitted: int = 0
+    ready: list[list[Place]] = field(default_factory=list)
+
+    def held_places(self) -> list[Place]:
+        return list(self.places) + [p for pack in self.ready for p in pack]
+
+    def saved(self) -> dict:
+        return {
+            "places": copied(self.places),
+            "came": list(self.came),
+            "emitted": self.emitted,
+            "ready": [copied(pack) for pack in self.ready],
+        }
+
+    @classmethod
+    def from_saved(cls, saved: dict) -> WindowState:
+        return cls(
+            copied(saved["places"]),
+            list(saved["came"]),
+            saved["emitted"],
+            [copied(pack) for pack in saved["ready"]],
+        )
+
+
 class Pack:
     """Pipeline stage: tokenized samples -> packs (lists of samples, in pack order).
 
@@ -370,10 +95,10 @@ class Pack:
     pass-end case (+0.82 pp against best-fit at 1024 tokens, against +0.17 pp).
 
     A sample longer than ``max_length`` or with more tiles than ``max_tiles_per_pack`` is
-    dropped and counted (``too_many_tokens``, ``too_many_tiles``, in ``pack_stats`` with its
-    key): a drop is good data outside the budgets, not a failure, so it is not "skipped".
+    dropped and counted (``too_many_tokens``, ``too_many_tiles``, in the run's ``stats`` with
+    its key): a drop is good data outside the budgets, not a failure, so it is not "skipped".
     With ``truncate=True`` a sample that is only too long is cut after its last whole answer
-    that fits instead (``truncate_at_answer``; counted in ``pack_stats.truncated``).
+    that fits instead (``truncate_at_answer``; counted in ``stats.truncated``).
     ``unit`` names the vision units in messages: tiles, or a model family's patches.
     """
 
@@ -391,38 +116,87 @@ class Pack:
         self.max_length = max_length
         self.max_tiles_per_pack = max_tiles_per_pack
         self.window = window
-        self.pack_stats = PackStats()
-        self.accepted = 0  # samples taken into a window so far (never reset): progress
         self._limits = Packer(max_length, max_tiles_per_pack)  # for fit(), made once
 
-    def __call__(
-        self, samples: Iterator[dict], *, resume: dict | None = None
-    ) -> Iterator[list[dict]]:
-        """``resume``: a ``state()`` whose ``waiting`` samples were read and tokenized again."""
-        packer = self._packer = Packer(self.max_length, self.max_tiles_per_pack, self.window)
-        self.pack_stats = packer.stats
-        self._ready: deque[list[dict]] = deque()  # packs made and not yet handed on
-        if resume:
-            packer.emitted = resume["emitted"]
-            for sample, came in zip(resume["waiting"], resume["came"], strict=True):
+    def __call__(self, samples: Iterator[dict]) -> PackRun:
+        return PackRun(self, samples, Packer(self.max_length, self.max_tiles_per_pack, self.window))
+
+    def restore(self, state: WindowState, samples: Iterator[dict], fetch: Fetch) -> PackRun:
+        """A run that goes on from ``state``: its window and ready packs taken back from
+        ``fetch`` (tokenized), in their order; a sample ``fetch`` cannot have is left out."""
+        packer = Packer(self.max_length, self.max_tiles_per_pack, self.window)
+        packer.emitted = state.emitted
+        for sample, came in zip(fetch(state.places), state.came, strict=True):
+            if sample is not None:
                 sample, tokens, tiles, _ = self.fit(sample)
                 packer.waiting.append((sample, tokens, tiles, came))
-            self._ready.extend([self.fit(s)[0] for s in pack] for pack in resume["ready"])
-        return self._run(samples, packer, self._ready)
+        run = PackRun(self, samples, packer)
+        for places in state.ready:
+            pack = self.again(present(fetch(places)))
+            if pack:
+                run.ready.append(pack)
+        return run
 
-    def _run(self, samples: Iterator[dict], packer: Packer, ready: deque) -> Iterator[list[dict]]:
+    def again(self, samples: list[dict]) -> list[dict]:
+        """Samples as this stage hands them on (inside packs): as they go into the window."""
+        return [self.fit(s)[0] for s in samples]
+
+    def fit(
+        self, sample: dict, stats: PackStats | None = None
+    ) -> tuple[dict, int, int, str | None]:
+        """The sample as it goes into the window (cut, if it is too long and ``truncate``:
+        counted in ``stats`` when given), its tokens and tiles, and why it cannot be packed
+        at all (or None)."""
+        limits = self._limits
+        tokens, tiles = sample["num_tokens"], sum(sample["image_tiles"])
+        reason = limits.oversized(tokens, tiles)
+        if reason == "too_many_tokens" and self.truncate:
+            cut = truncate_at_answer(sample, self.max_length)
+            if cut is not None:
+                if stats is not None:
+                    stats.truncated += 1
+                sample, tokens, tiles = cut, cut["num_tokens"], sum(cut["image_tiles"])
+                reason = limits.oversized(tokens, tiles)
+        return sample, tokens, tiles, reason
+
+
+class PackRun(StageRun):
+    """One iteration of a ``Pack``: its ``packer`` (window and ``stats``), the packs made and
+    not yet handed on (``ready``), and ``accepted``, the samples taken into the window so
+    far (the stream's progress)."""
+
+    def __init__(self, stage: Pack, samples: Iterator[dict], packer: Packer):
+        self.stage = stage
+        self.packer = packer
+        self.stats: PackStats = packer.stats
+        self.ready: deque[list[dict]] = deque()
+        self.accepted = 0
+        super().__init__(self._run(samples))
+
+    def state(self) -> WindowState:
+        waiting = self.packer.waiting
+        return WindowState(
+            places_of([w[0] for w in waiting]),
+            [w[3] for w in waiting],
+            self.packer.emitted,
+            [places_of(pack) for pack in self.ready],
+        )
+
+    def _run(self, samples: Iterator[dict]) -> Iterator[list[dict]]:
+        stage, packer, ready = self.stage, self.packer, self.ready
         while ready:
             yield ready.popleft()
         for sample in samples:
-            sample, tokens, tiles, reason = self.fit(sample)
+            sample, tokens, tiles, reason = stage.fit(sample, self.stats)
             if reason:  # dropped: good data that does not fit the budgets (never "skipped")
-                packer.stats.drop(
+                self.stats.drop(
                     reason,
                     sample,
-                    f"{tokens} tokens, {tiles} {self.unit}; a pack holds {self.max_length} tokens"
+                    f"{tokens} tokens, {tiles} {stage.unit}; a pack holds {stage.max_length} "
+                    "tokens"
                     + (
-                        f" and {self.max_tiles_per_pack} {self.unit}"
-                        if self.max_tiles_per_pack is not None
+                        f" and {stage.max_tiles_per_pack} {stage.unit}"
+                        if stage.max_tiles_per_pack is not None
                         else ""
                     ),
                 )
@@ -435,37 +209,17 @@ class Pack:
             ready.extend(packer.push(sample, tokens, tiles))
             while ready:
                 yield ready.popleft()
-        yield from packer.drain()
-
-    def fit(self, sample: dict) -> tuple[dict, int, int, str | None]:
-        """The sample as it goes into the window (cut, if it is too long and ``truncate``),
-        its tokens and tiles, and why it cannot be packed at all (or None)."""
-        limits = self._limits
-        tokens, tiles = sample["num_tokens"], sum(sample["image_tiles"])
-        reason = limits.oversized(tokens, tiles)
-        if reason == "too_many_tokens" and self.truncate:
-            cut = truncate_at_answer(sample, self.max_length)
-            if cut is not None:
-                self.pack_stats.truncated += 1
-                sample, tokens, tiles = cut, cut["num_tokens"], sum(cut["image_tiles"])
-                reason = limits.oversized(tokens, tiles)
-        return sample, tokens, tiles, reason
-
-    def state(self) -> dict:
-        """The running window: ``waiting`` samples in window order, the count of packs
-        ``emitted`` so far, when each waiting sample ``came`` (in that count), and the packs
-        made but not yet handed on (``ready``)."""
-        packer = self._packer
-        return {
-            "waiting": [w[0] for w in packer.waiting],
-            "came": [w[3] for w in packer.waiting],
-            "emitted": packer.emitted,
-            "ready": [list(pack) for pack in self._ready],
-        }
+        ready.extend(packer.drain())  # the end: the window's last packs, held until handed on
+        while ready:
+            yield ready.popleft()
 
 
 def _pass_of(pack: list[dict]):
     return pack[0].get("__pass__") if pack else None
+
+
+def _tiles_of(pack: list[dict]) -> int:
+    return sum(sum(s["image_tiles"]) for s in pack)
 
 
 def choose_batch(tiles: Sequence[int], batch_size: int, target: float) -> list[int]:
@@ -486,6 +240,23 @@ def choose_batch(tiles: Sequence[int], batch_size: int, target: float) -> list[i
     return sorted(chosen)
 
 
+@dataclass
+class BalanceState:
+    """The packs waiting for a batch, oldest first, as places."""
+
+    packs: list[list[Place]] = field(default_factory=list)
+
+    def held_places(self) -> list[Place]:
+        return [p for pack in self.packs for p in pack]
+
+    def saved(self) -> list[list[Place]]:
+        return [copied(pack) for pack in self.packs]
+
+    @classmethod
+    def from_saved(cls, saved: list) -> BalanceState:
+        return cls([copied(pack) for pack in saved])
+
+
 class BalanceBatches:
     """Pipeline stage: packs -> batches (lists of ``batch_size`` packs) of even vision load.
 
@@ -493,7 +264,7 @@ class BalanceBatches:
     what it holds (``choose_batch``); packs keep their fill, only their grouping changes. The
     oldest pack always goes into the next batch, so no pack waits long. When packs of a new
     pass (``__pass__``) arrive, the last pass's packs are batched among themselves first
-    (fewer than ``batch_size`` left over join the new pass's batches). ``cv`` is the
+    (fewer than ``batch_size`` left over join the new pass's batches). A run's ``cv`` is the
     coefficient of variation of tiles per full batch so far.
     """
 
@@ -502,48 +273,64 @@ class BalanceBatches:
             raise ValueError(f"batch_size ({batch_size}) and spread ({spread}) must be positive")
         self.batch_size = batch_size
         self.spread = spread
-        self.figures = [0, 0, 0]  # full batches, sum of their tiles, sum of squares
+
+    def __call__(self, packs: Iterator[list[dict]]) -> BalanceRun:
+        return BalanceRun(self, packs, [])
+
+    def restore(self, state: BalanceState, packs: Iterator[list[dict]], fetch: Fetch) -> BalanceRun:
+        """A run that goes on from ``state``: the packs it held, their samples taken back
+        from ``fetch`` (as packed); a pack none of whose samples ``fetch`` can have is gone."""
+        held = [pack for pack in (present(fetch(p)) for p in state.packs) if pack]
+        return BalanceRun(self, packs, held)
+
+    def again(self, samples: list[dict]) -> list[dict]:
+        """Samples as this stage hands them on (inside batches): unchanged."""
+        return samples
+
+
+class BalanceRun(StageRun):
+    """One iteration of a ``BalanceBatches``: the packs it holds, with their tiles, and
+    ``figures``: full batches, the sum of their tiles and of its squares."""
+
+    def __init__(self, stage: BalanceBatches, packs: Iterator[list[dict]], held: list):
+        self.stage = stage
+        self.held = [(pack, _tiles_of(pack)) for pack in held]
+        self.figures = [0, 0, 0]
+        super().__init__(self._run(packs))
 
     @property
     def cv(self) -> float:
         return tiles_cv(*self.figures)
 
-    def __call__(
-        self, packs: Iterator[list[dict]], *, resume: list[list[dict]] | None = None
-    ) -> Iterator[list[list[dict]]]:
-        """``resume``: the packs ``held()`` returned, their samples read again."""
-        self.figures = [0, 0, 0]
-        self._held = [(p, sum(sum(s["image_tiles"]) for s in p)) for p in resume or []]
-        return self._run(packs, self._held)
+    def state(self) -> BalanceState:
+        return BalanceState([places_of(pack) for pack, _ in self.held])
 
-    def _run(self, packs: Iterator[list[dict]], held: list) -> Iterator[list[list[dict]]]:
+    def _run(self, packs: Iterator[list[dict]]) -> Iterator[list[list[dict]]]:
         # Decided afresh before each pull from what is held, so a resumed stage that holds
         # the same packs goes on the same way.
+        held, batch_size = self.held, self.stage.batch_size
         while True:
             newest = _pass_of(held[-1][0]) if held else None
             older = [i for i, (pack, _) in enumerate(held) if _pass_of(pack) != newest]
-            if len(older) >= self.batch_size:  # a new pass began: batch the last one's first
-                yield self._take(held, older)
-            elif len(held) >= self.spread * self.batch_size:
-                yield self._take(held, range(len(held)))
+            if len(older) >= batch_size:  # a new pass began: batch the last one's first
+                yield self._take(older)
+            elif len(held) >= self.stage.spread * batch_size:
+                yield self._take(range(len(held)))
             else:
                 pack = next(packs, None)
                 if pack is None:
                     break
-                held.append((pack, sum(sum(s["image_tiles"]) for s in pack)))
+                held.append((pack, _tiles_of(pack)))
         while held:
-            yield self._take(held, range(len(held)))
+            yield self._take(range(len(held)))
 
-    def held(self) -> list[list[dict]]:
-        """The packs waiting for a batch, oldest first."""
-        return [pack for pack, _ in getattr(self, "_held", [])]
-
-    def _take(self, held: list, among: Sequence[int]) -> list[list[dict]]:
+    def _take(self, among: Sequence[int]) -> list[list[dict]]:
+        held, batch_size = self.held, self.stage.batch_size
         among = list(among)
         tiles = [held[i][1] for i in among]
-        target = sum(tiles) / len(tiles) * self.batch_size
-        chosen = sorted(among[i] for i in choose_batch(tiles, self.batch_size, target))
-        if len(chosen) == self.batch_size:
+        target = sum(tiles) / len(tiles) * batch_size
+        chosen = sorted(among[i] for i in choose_batch(tiles, batch_size, target))
+        if len(chosen) == batch_size:
             total = sum(held[i][1] for i in chosen)
             self.figures[0] += 1
             self.figures[1] += total

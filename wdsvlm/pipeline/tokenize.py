@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
@@ -27,8 +28,9 @@ from ..families.base import Family
 from ..families.tiling import ImageConfig, TilingFamily
 from ..format.conversation import IMAGE_MARKER
 from ..format.images import UnreadableImage, UnusableImage, image_members, image_size
-from ..pipeline.labels import answer_ranges, marked
-from ..pipeline.stats import SkipStats
+from .labels import answer_ranges, marked
+from .places import Fetch, Place, StageRun, copied, places_of, present
+from .stats import SkipStats
 
 IGNORE_INDEX = -100
 CHATML_TEMPLATE = (
@@ -145,22 +147,29 @@ class Tokenize:
                 f"{where}: the chat template failed: {type(e).__name__}: {e}"
             ) from None
 
-    def __call__(self, samples: Iterator[dict], *, resume: list[dict] | None = None):
-        """``resume``: samples read again for a resumed loader (see ``held``), yielded first."""
-        self._rest: list[dict] = list(resume or [])
-        return self._run(samples, resume)
+    def __call__(self, samples: Iterator[dict]) -> TokenizeRun:
+        return TokenizeRun(self, samples, [])
 
-    def _run(self, samples: Iterator[dict], resume: list[dict] | None) -> Iterator[dict]:
-        if resume:
-            yield from self._encode(list(resume))
+    def restore(self, state: TokenizeState, samples: Iterator[dict], fetch: Fetch) -> TokenizeRun:
+        """A run that goes on from ``state``: its held samples, taken back from ``fetch``,
+        are encoded and yielded first."""
+        return TokenizeRun(self, samples, present(fetch(state.held)))
+
+    def again(self, samples: list[dict]) -> list[dict]:
+        """Samples as this stage hands them on: tokenized (see ``encode``)."""
+        return self.encode(samples)
+
+    def _run(self, samples: Iterator[dict], rest: list[dict]) -> Iterator[dict]:
+        if rest:
+            yield from self._encode(list(rest), self.stats, rest)
         batch = []
         for sample in samples:
             batch.append(sample)
             if len(batch) == self.batch_size:
-                yield from self._encode(batch)
+                yield from self._encode(batch, self.stats, rest)
                 batch = []
         if batch:
-            yield from self._encode(batch)
+            yield from self._encode(batch, self.stats, rest)
 
     def sizes_of(self, sample: dict) -> list[tuple[int, int]]:
         """Displayed sizes of the sample's images: from its index entry, else from the image
@@ -187,26 +196,28 @@ class Tokenize:
         """The token ids that replace each image's one image token."""
         return [self.family.image_token_ids(w, h) for w, h in self.sizes_of(sample)]
 
-    def _prepare(self, sample: dict) -> tuple[str, list[tuple[int, int]], list[int]] | None:
+    def _prepare(
+        self, sample: dict, stats: SkipStats
+    ) -> tuple[str, list[tuple[int, int]], list[int]] | None:
         try:
             messages = json.loads(sample["json"])["messages"]
             messages = [{"role": m["role"], "content": m["content"]} for m in messages]
             if not all(isinstance(m["content"], str) for m in messages):
                 raise TypeError("message content must be a string")
         except (KeyError, TypeError, ValueError) as e:
-            self.stats.skip("tokenize", "invalid_json", sample, f"{type(e).__name__}: {e}")
+            stats.skip("tokenize", "invalid_json", sample, f"{type(e).__name__}: {e}")
             return None
         try:
             tiles = self.tiles_of(sample)
         except UnreadableImage as e:  # no index sizes, and an image header is unreadable
-            self.stats.skip("tokenize", "undecodable_image", sample, str(e))
+            stats.skip("tokenize", "undecodable_image", sample, str(e))
             return None
         except UnusableImage as e:
-            self.stats.skip("tokenize", "unusable_image", sample, str(e))
+            stats.skip("tokenize", "unusable_image", sample, str(e))
             return None
         markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
         if markers != len(tiles):
-            self.stats.skip(
+            stats.skip(
                 "tokenize",
                 "image_count_mismatch",
                 sample,
@@ -218,12 +229,12 @@ class Tokenize:
             key = f"{sample.get('__shard__')}/{sample.get('__key__')}"
             text = self.render(messages, key)
         except TemplateError as e:  # the template refuses this conversation
-            self.stats.skip("tokenize", "template_error", sample, str(e))
+            stats.skip("tokenize", "template_error", sample, str(e))
             return None
         try:
             return text, self._supervised(text, messages, key), tiles
         except TemplateError as e:  # rendered, but the answers cannot be found in it
-            self.stats.skip("tokenize", "template_mismatch", sample, str(e))
+            stats.skip("tokenize", "template_mismatch", sample, str(e))
             return None
 
     def _supervised(
@@ -237,17 +248,22 @@ class Tokenize:
             skeleton = None
         return answer_ranges(text, messages, skeleton, self._specials)
 
-    def _encode(self, batch: list[dict], track: bool = True) -> Iterator[dict]:
-        """Tokenized ``batch``; ``track``: keep what is not yet yielded in ``held()``."""
-        prepared = [(s, p) for s in batch if (p := self._prepare(s)) is not None]
+    def _encode(
+        self, batch: list[dict], stats: SkipStats, rest: list[dict] | None = None
+    ) -> Iterator[dict]:
+        """Tokenized ``batch``, skips counted in ``stats``; ``rest`` (a run's): kept as the
+        samples of the batch taken in and not yet yielded."""
+        prepared = [(s, p) for s in batch if (p := self._prepare(s, stats)) is not None]
         if not prepared:
+            if rest is not None:
+                rest.clear()
             return
         encoded = self.tokenizer(
             [p[0] for _, p in prepared], add_special_tokens=False, return_offsets_mapping=True
         )
         for i, (sample, (_, ranges, tiles)) in enumerate(prepared):
-            if track:
-                self._rest = [s for s, _ in prepared[i + 1 :]]
+            if rest is not None:
+                rest[:] = [s for s, _ in prepared[i + 1 :]]
             ids = np.asarray(encoded["input_ids"][i], dtype=np.int64)
             offsets = np.asarray(encoded["offset_mapping"][i], dtype=np.int64).reshape(-1, 2)
             supervised = np.zeros(len(ids), dtype=bool)
@@ -256,7 +272,7 @@ class Tokenize:
             labels = np.where(supervised, ids, IGNORE_INDEX)
             places = np.flatnonzero(ids == self.image_token_id)
             if len(places) != len(tiles):
-                self.stats.skip(
+                stats.skip(
                     "tokenize",
                     "image_count_mismatch",
                     sample,
@@ -264,7 +280,7 @@ class Tokenize:
                 )
                 continue
             ids, labels, image_at = _expand(ids, labels, places, self._image_ids(sample))
-            self.stats.ok("tokenize")
+            stats.ok("tokenize")
             del sample["json"]
             sample["input_ids"] = ids
             sample["labels"] = labels
@@ -272,16 +288,42 @@ class Tokenize:
             sample["image_tiles"] = tiles
             sample["image_at"] = image_at
             yield sample
-        if track:
-            self._rest = []
+        if rest is not None:
+            rest.clear()
 
-    def encode(self, samples: list[dict]) -> list[dict]:
-        """Tokenize ``samples`` at once (those that cannot be are skipped and counted)."""
-        return list(self._encode(list(samples), track=False))
+    def encode(self, samples: list[dict], stats: SkipStats | None = None) -> list[dict]:
+        """Tokenize ``samples`` at once (those that cannot be are skipped and counted, in
+        ``stats`` when given, else in the stage's own)."""
+        return list(self._encode(list(samples), self.stats if stats is None else stats))
 
-    def held(self) -> list[dict]:
-        """The samples taken in and not yet yielded (the rest of the batch being encoded)."""
-        return list(getattr(self, "_rest", []))
+
+@dataclass
+class TokenizeState:
+    """The places of the samples a tokenizer batch ``held``: taken in, not yet yielded."""
+
+    held: list[Place] = field(default_factory=list)
+
+    def held_places(self) -> list[Place]:
+        return list(self.held)
+
+    def saved(self) -> list[Place]:
+        return copied(self.held)
+
+    @classmethod
+    def from_saved(cls, saved: list) -> TokenizeState:
+        return cls(copied(saved))
+
+
+class TokenizeRun(StageRun):
+    """One iteration of a ``Tokenize``: ``rest``, the samples of the batch being encoded that
+    are not yet yielded."""
+
+    def __init__(self, stage: Tokenize, samples: Iterator[dict], rest: list[dict]):
+        self.rest = rest
+        super().__init__(stage._run(samples, rest))
+
+    def state(self) -> TokenizeState:
+        return TokenizeState(places_of(self.rest))
 
 
 def _expand(

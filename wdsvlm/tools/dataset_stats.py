@@ -216,7 +216,8 @@ def dataset_stats(
 
     pack = Pack(max_length, max_tiles_per_pack=max_tiles_per_pack, window=pack_window)
     fitting = {}  # by (shard, key, place): a mixture's pass may hold a sample twice
-    for packed in pack(measured(tokenize(bar))):
+    packing = pack(measured(tokenize(bar)))
+    for packed in packing:
         fitting.update(
             ((s["__shard__"], s["__key__"], s["__pos__"]), s["num_tokens"]) for s in packed
         )
@@ -224,7 +225,7 @@ def dataset_stats(
             for s in packed:
                 per_source[s["__source__"]]["kept"] += 1
     bar.close()
-    packs = pack.pack_stats
+    packs = packing.stats
     dropped = {r: packs.dropped.get(r, 0) for r in PACK_REASONS}
     padding = {  # None when no sample fits
         "naive": naive_padding(fitting, batch_size, seed) if fitting else None,

@@ -200,7 +200,7 @@ def batch_grids(
     given samples (those that fit), packed, and the same samples in naive batches of
     ``batch_size`` (in their reading order, padded to each batch's longest). Returns the
     naive grid (one row per sample), the packed grid and the facts for the titles."""
-    from ..pipeline.pack import Packer
+    from ..pipeline.packer import Packer
 
     fitting = [k for k in kinds if len(k) <= max_length]
     packer = Packer(max_length, window=max(len(fitting), 1))

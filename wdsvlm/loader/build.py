@@ -1,0 +1,219 @@
+"""How a Loader's parts are made from its settings: the plan, the pipeline stages and the
+worker stream over them, the DataLoader's options, the epoch length and the config a saved
+state must agree with."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..families.base import Family
+from ..families.registry import family_of
+from ..families.tiling import ImageConfig, TilingFamily
+from ..pipeline.collate import Collate
+from ..pipeline.pack import BalanceBatches, Pack
+from ..pipeline.plan import Plan, WorkerConfig
+from ..pipeline.read import ReadSamples
+from ..pipeline.shuffle import Shuffle
+from ..pipeline.stats import SkipStats
+from ..pipeline.tokenize import Tokenize
+from ..storage.cache import ShardCache
+from .settings import LoaderSettings, resume_config
+from .sizing import estimate_batches
+from .stream import Stream
+from .workers import (
+    check_context,
+    check_main_guarded,
+    exit_with_training_process,
+    worker_context,
+)
+
+
+@dataclass
+class LoaderParts:
+    """What a Loader is made of."""
+
+    family: Family
+    """The model family of ``processor=``, else the default tiling (``TilingFamily``)."""
+    worker_config: WorkerConfig
+    plan: Plan
+    tokenize: Tokenize
+    stream: Stream
+    """The dataset the DataLoader runs: every stage, in each worker."""
+    dataloader_options: dict[str, Any]
+    pad_token_id: int
+    batches_per_epoch: int
+    config: dict[str, Any]
+    """What a saved state must agree with to resume exactly (``settings.resume_config``)."""
+
+
+def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
+    """The parts of a Loader over ``source`` (see ``Loader``) with ``settings``."""
+    if (tokenizer is None) == (settings.processor is None):
+        both = ", not both" if tokenizer is not None else ""
+        raise TypeError(
+            "Loader needs a tokenizer (the default tiling) or processor= (a model "
+            f"family's Hugging Face processor){both}"
+        )
+    worker_config = topology(settings)
+    image_config = ImageConfig(settings.tile_size, settings.max_image_side, settings.upscale)
+    family = (  # a processor's family, else the default tiling with the tokenizer
+        family_of(settings.processor)
+        if settings.processor is not None
+        else TilingFamily(
+            image_config,
+            tokenizer,
+            tokens_per_tile=settings.tokens_per_tile,
+            image_token=settings.image_token,
+        )
+    )
+    skips = SkipStats(settings.max_consecutive_failures)
+    plan = Plan(
+        source,
+        seed=settings.seed,
+        worker_config=worker_config,
+        storage_options=settings.storage_options,
+        read_policy=settings.read_policy,
+        samples_per_pass=settings.samples_per_pass,
+    )
+    if plan.num_samples < worker_config.global_workers:
+        raise ValueError(
+            f"{source}: {plan.num_samples} samples for {worker_config.global_workers} global "
+            f"workers (world_size {worker_config.world_size} x num_workers "
+            f"{settings.num_workers}); every worker needs at least one sample a pass: use "
+            "fewer workers"
+        )
+    tokenize = Tokenize(
+        family=family,
+        chat_template=settings.chat_template,
+        stats=skips,
+    )
+    # made before sizing the epoch: a fork server starts now, in the background
+    options = dataloader_options(settings, tokenize.tokenizer, family)
+    pad_token_id = pad_of(tokenize.tokenizer)
+    pack = Pack(
+        settings.max_length,
+        max_tiles_per_pack=settings.tiles_per_pack,
+        window=settings.pack_window,
+        truncate=settings.truncate,
+        unit=family.unit_name,
+    )
+    batches = epoch_batches(plan, tokenize, pack, settings, worker_config)
+    stream = Stream(
+        plan,
+        ReadSamples(
+            settings.storage_options,
+            stats=skips,
+            policy=settings.read_policy,
+            read_ahead=settings.read_ahead,
+            on_shard_error=settings.on_shard_error,
+            cache=ShardCache(settings.cache_dir, settings.cache_bytes)
+            if settings.cache_dir
+            else None,
+        ),
+        Shuffle(settings.shuffle_buffer, settings.shuffle_bytes, settings.seed),
+        tokenize,
+        pack,
+        BalanceBatches(settings.batch_size),
+        Collate(
+            settings.max_length,
+            settings.batch_size,
+            pad_token_id,
+            family=family,
+            stats=skips,
+        ),
+        skips,
+        batches,
+    )
+    config = resume_config(
+        settings,
+        max_tiles_per_pack=settings.tiles_per_pack,
+        image_token=tokenize.image_token,
+        chat_template=tokenize.chat_template,
+        dataset=dataset_id(plan),
+        shards_sha256=shards_sha256(plan),
+        tokenizer=tokenize.fingerprint(),
+        batches_per_epoch=batches,
+    )
+    return LoaderParts(
+        family, worker_config, plan, tokenize, stream, options, pad_token_id, batches, config
+    )
+
+
+def topology(settings: LoaderSettings) -> WorkerConfig:
+    """Rank and world size as given, else from ``torch.distributed`` or torchrun's
+    environment; ``num_workers`` DataLoader workers each."""
+    environment = WorkerConfig.from_environment(settings.num_workers)
+    return WorkerConfig(
+        environment.rank if settings.rank is None else settings.rank,
+        environment.world_size if settings.world_size is None else settings.world_size,
+        settings.num_workers,
+    )
+
+
+def dataloader_options(settings: LoaderSettings, tokenizer: Any, family: Family) -> dict[str, Any]:
+    """The torch DataLoader's keyword arguments. With workers, their start method is checked
+    (and a fork server started, preloading the tokenizer's and the family's modules)."""
+    num_workers = settings.num_workers
+    options: dict[str, Any] = {
+        "batch_size": None,
+        "num_workers": num_workers,
+        "pin_memory": settings.pin_memory,
+        "persistent_workers": settings.persistent_workers and num_workers > 0,
+    }
+    if num_workers:
+        context = check_context(settings.multiprocessing_context)
+        check_main_guarded(context)  # before a fork server starts, not in each worker
+        options["prefetch_factor"] = settings.prefetch_factor or 2
+        # a worker started by the fork server ends when the training process does
+        options["worker_init_fn"] = exit_with_training_process
+        preload = [type(tokenizer).__module__, *family.modules]
+        options["multiprocessing_context"] = worker_context(context, tuple(preload))
+    return options
+
+
+def pad_of(tokenizer: Any) -> int:
+    """The token the rows are padded with: the pad token, else end of sequence, else 0."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return 0 if pad is None else pad
+
+
+def epoch_batches(
+    plan: Plan, tokenize: Tokenize, pack: Pack, settings: LoaderSettings, config: WorkerConfig
+) -> int:
+    """``len(loader)``: ``batches_per_epoch``, or the estimate of one pass, computed alike on
+    every rank from the index and the settings (no collective call); a multiple of the
+    workers, so that each gives the same number of batches an epoch and none falls behind the
+    others epoch after epoch."""
+    workers = config.workers_per_rank
+    estimate = settings.batches_per_epoch or estimate_batches(
+        plan, tokenize, pack, settings, config
+    )
+    return -(-estimate // workers) * workers
+
+
+def dataset_id(plan: Plan) -> str:
+    """The sources' shards and each source's share of a pass."""
+    sources = [
+        [
+            s.name,
+            s.copies,
+            s.extra,
+            [[h["name"], h["samples"], h.get("bytes")] for h in s.index["shards"]],
+        ]
+        for s in plan.sources
+    ]
+    if not plan.mixture:  # as the first release recorded a dataset
+        sources = sources[0][3]
+    return hashlib.sha256(json.dumps(sources).encode()).hexdigest()[:16]
+
+
+def shards_sha256(plan: Plan) -> str:
+    """The sha256 of every shard of every source, as the indexes record them: a dataset
+    rewritten with the same names, counts and sizes is another dataset. Its own key beside
+    ``dataset``, so a state saved before it was recorded still resumes (unchecked, with a
+    warning) rather than being refused."""
+    digests = [[h.get("sha256") for h in s.index["shards"]] for s in plan.sources]
+    return hashlib.sha256(json.dumps(digests).encode()).hexdigest()[:16]

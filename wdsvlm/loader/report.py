@@ -1,0 +1,65 @@
+"""A Loader's figures for the epoch so far: what its batches hold (counted as they are
+yielded) and what its workers report with each batch (drops, truncations, skips, the vision
+load of the batches)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..pipeline.pack import tiles_cv
+from ..pipeline.stats import SkipStats
+
+
+@dataclass
+class Yielded:
+    """What the batches yielded this epoch hold: real packs, samples, tokens and tiles."""
+
+    packs: int = 0
+    samples: int = 0
+    tokens: int = 0
+    tiles: int = 0
+
+    def count(self, batch: Mapping) -> None:
+        self.packs += sum(1 for row in batch["sample_keys"] if row)
+        self.samples += sum(len(row) for row in batch["sample_keys"])
+        self.tokens += int(batch["attention_mask"].sum())
+        self.tiles += int(batch["image_tiles"].sum())
+
+
+def epoch_stats(yielded: Yielded, reports: Mapping[int, dict], max_length: int) -> dict:
+    """The Loader's ``stats()``: fill ratio of the packed rows, samples and tiles per pack,
+    tiles-per-batch spread, from ``yielded``; and, all workers' latest ``reports`` together,
+    drops, truncations and skipped samples (counts, and up to 10 ``"SHARD/KEY"`` per reason
+    and worker)."""
+    skips = SkipStats()
+    truncated = batches = tiles = squares = 0
+    dropped: dict = {}
+    dropped_examples: dict = {}
+    for report in reports.values():
+        skips.merge(report["skips"])
+        packing = report["packing"]
+        truncated += packing["truncated"]
+        full_batches, batch_tiles, batch_squares = report["batch_tiles"]
+        batches += full_batches
+        tiles += batch_tiles
+        squares += batch_squares
+        for reason, n in packing["dropped"].items():
+            dropped[reason] = dropped.get(reason, 0) + n
+        for reason, keys in packing["dropped_examples"].items():
+            dropped_examples.setdefault(reason, []).extend(keys)
+    packs, samples = yielded.packs, yielded.samples
+    capacity = packs * max_length
+    return {
+        "fill": yielded.tokens / capacity if capacity else 0.0,
+        "packs": packs,
+        "samples": samples,
+        "samples_per_pack": samples / packs if packs else 0.0,
+        "tiles_per_pack": yielded.tiles / packs if packs else 0.0,
+        "tiles_per_batch_cv": tiles_cv(batches, tiles, squares),
+        "truncated": truncated,
+        "dropped": dropped,
+        "dropped_examples": dropped_examples,
+        "skipped": dict(skips.counts),
+        "skipped_examples": {k: list(v) for k, v in skips.examples.items()},
+    }
