@@ -5,6 +5,7 @@ serves the new bytes, and a loader state of the old content is refused."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -117,5 +118,21 @@ def test_a_state_of_the_old_content_is_refused_after_a_same_size_rewrite(rewritt
     state = loader.state_dict()
     wdsvlm.Loader(folder, TOKENIZER, **base).load_state_dict(state)  # unchanged: fine
     rewrite()
-    with pytest.raises(ValueError, match=r"cannot resume: .*other settings: dataset "):
+    with pytest.raises(ValueError, match=r"cannot resume: .*other settings: shards_sha256 "):
         wdsvlm.Loader(folder, TOKENIZER, **base).load_state_dict(state)
+
+
+def test_a_state_saved_before_shards_sha256_were_recorded_still_resumes(rewritten, caplog):
+    folder, _ = rewritten
+    base = {"max_length": 1024, "batches_per_epoch": 3, **SMALL, "batch_size": 2}
+    loader = wdsvlm.Loader(folder, TOKENIZER, **base)
+    batches = iter(loader)
+    next(batches)
+    state = loader.state_dict()
+    rest = [b["sample_keys"] for b in batches]
+    del state["config"]["shards_sha256"]  # as an earlier wdsvlm saved it
+    resumed = wdsvlm.Loader(folder, TOKENIZER, **base)
+    with caplog.at_level(logging.WARNING, logger="wdsvlm"):
+        resumed.load_state_dict(state)
+    assert [b["sample_keys"] for b in resumed] == rest
+    assert "does not record ['shards_sha256']" in caplog.text
