@@ -1,6 +1,6 @@
 """The shard format's table of contents: ``index.json``, and the names it gives things.
 
-See README.md ("Shard format") for the layout. The index is what makes exact splitting,
+See docs/format.md for the layout. The index is what makes exact splitting,
 ``len()``, resume and planning possible without reading the data. This module reads and
 checks an index; ``builder`` makes one.
 """

@@ -34,7 +34,7 @@ class Loader:
 
     ``source``: a dataset folder or URL (``s3://``, ``gs://``, ...), brace-expanded tar URLs,
     or a mixture: a list of ``wdsvlm.Source`` (each with its ``repeat``, ``choose`` or
-    ``weight``) or a mixture file (``.yaml``, ``.json``); see ``mixture.py``.
+    ``weight``) or a mixture file (``.yaml``, ``.json``); see ``sources.py``.
     ``tokenizer``: a Hugging Face tokenizer, or a name/path for ``AutoTokenizer``; or instead
     ``processor``: a Hugging Face processor of a supported model family (Qwen2/2.5/3-VL,
     SmolVLM, Idefics3), whose image sizes, image tokens and chat template are then used, and

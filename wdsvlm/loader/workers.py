@@ -146,7 +146,7 @@ def check_main_guarded(name: str) -> None:
         'is not under `if __name__ == "__main__":`: the workers would run it too. Put the '
         "script's top-level code in a function called under that guard (as torchrun scripts "
         'do), or pass multiprocessing_context="fork" if no thread runs in this process '
-        "when workers start (see README: how workers start)."
+        "when workers start (see docs/training.md: how workers start)."
     )
 
 

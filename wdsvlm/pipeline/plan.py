@@ -106,7 +106,7 @@ class Plan(IterableDataset):
     """Pipeline source: this worker's spans for one pass, ready for ``ReadSamples``.
 
     ``source`` is a dataset folder or URL, tar URLs (see ``resolve_source``), or a mixture
-    (``Source`` list or mixture file; see ``mixture.py``). Each pass has one global order
+    (``Source`` list or mixture file; see ``sources.py``). Each pass has one global order
     (``PassOrder``), the same on every topology; global worker ``w`` of ``G`` reads the
     contiguous block ``worker_share(pass size, w, G)`` of it, in that order. A sample's place
     is ``[pass, place in the pass's order]``. Iterating (or calling) a ``Plan`` inside a

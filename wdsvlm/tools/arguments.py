@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument(
         "--prompts",
         metavar="FILE",
-        help="captions: the user prompts, one per line (default: wdsvlm's five, see README)",
+        help="captions: the user prompts, one per line (default: wdsvlm's five; docs/format.md)",
     )
     index.add_argument(
         "--prompt-seed", type=int, default=0, metavar="N", help="captions: seed of the pick"
