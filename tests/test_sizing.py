@@ -65,7 +65,8 @@ def test_sidecars_given_up_on_are_an_error_and_refused_ones_are_left_out(behind_
 def test_samples_given_up_on_are_an_error_and_refused_ones_are_left_out(behind_a_proxy):
     url, options, proxy = behind_a_proxy
     loader = wdsvlm.Loader(url, TOKENIZER, storage_options=options, read_policy=QUICK, **SMALL)
-    parts = (loader.plan, loader.tokenize, loader.pack, loader.settings, loader.worker_config)
+    pack = loader.stream.pack
+    parts = (loader.plan, loader.tokenize, pack, loader.settings, loader.worker_config)
     assert estimate_batches(*parts) == len(loader)  # read again: the same number
     proxy.cut = 1.0  # the sidecars are read already; the samples measured break off
     with pytest.raises(
