@@ -49,9 +49,12 @@ test-fast: lint
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
-# Rebuild shards_example/ from scratch (seeded: the same bytes again).
+# Rebuild shards_example/ from scratch (seeded: the same bytes again); wdsvlm.testing ships
+# the same tokenizer as package data.
 example: install
 	$(PY) scripts/make_example.py --out shards_example
+	cp shards_example/tokenizer/tokenizer.json shards_example/tokenizer/tokenizer_config.json \
+		wdsvlm/testing/example_tokenizer/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info site
