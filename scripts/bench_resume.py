@@ -63,8 +63,8 @@ def main() -> None:
         )
         start = time.perf_counter()
         loader.load_state_dict(states)
-        workers = loader.state_dict()["workers"]
-        ranges = sum(len(r) for w in workers for _, r in w["read"]["segments"])
+        handed = loader.state_dict()["workers"]  # the restored state, before any batch
+        ranges = sum(len(r) for w in handed for _, r in w["read"]["segments"])
         next(iter(loader))
         seconds = time.perf_counter() - start
         print(f"{f'{world} x {workers}':>14} {seconds:17.2f}s {ranges:>24}")
