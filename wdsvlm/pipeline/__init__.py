@@ -11,7 +11,7 @@ _HOMES = {
     "WorkerConfig": ".plan",
     "ReadSamples": ".read",
     "Shuffle": ".shuffle",
-    "ImageConfig": ".images",
+    "ImageConfig": "..families.tiling",  # the default family's settings
     "DecodeImages": ".images",
     "Tokenize": ".tokenize",
     "SkipStats": ".stats",

@@ -8,7 +8,7 @@ import json
 
 
 def image_config(args: argparse.Namespace):
-    from ..pipeline.images import ImageConfig
+    from ..families.tiling import ImageConfig
 
     return ImageConfig(args.tile_size, args.max_image_side)
 
