@@ -196,6 +196,7 @@ PUBLIC = {
     # the loader and what a training step calls on its batches
     "Loader",
     "LoaderSettings",
+    "RayWorkers",
     "Source",
     "ReadPolicy",
     "model_inputs",

@@ -20,6 +20,7 @@ from ..pipeline.shuffle import Shuffle
 from ..pipeline.stats import SkipStats
 from ..pipeline.tokenize import Tokenize
 from ..storage.cache import ShardCache
+from .placement import LOCAL
 from .settings import LoaderSettings, resume_config
 from .sizing import estimate_batches
 from .stream import Stream
@@ -161,9 +162,11 @@ def dataloader_options(settings: LoaderSettings, tokenizer: Any, family: Family)
         "batch_size": None,
         "num_workers": num_workers,
         "pin_memory": settings.pin_memory,
-        "persistent_workers": settings.persistent_workers and num_workers > 0,
+        "persistent_workers": settings.persistent_workers
+        and num_workers > 0
+        and settings.workers == LOCAL,
     }
-    if num_workers:
+    if num_workers and settings.workers == LOCAL:  # Ray workers start no process here
         context = check_context(settings.multiprocessing_context)
         check_main_guarded(context)  # before a fork server starts, not in each worker
         options["prefetch_factor"] = settings.prefetch_factor or 2

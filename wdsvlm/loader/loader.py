@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import WdsvlmError
 from .build import build
+from .placement import RayWorkers
 from .report import Yielded, epoch_stats
 from .resume import resume_point, topology_of
 from .settings import settings_from, signature_with_settings
@@ -83,6 +84,7 @@ class Loader:
         self._worker_stats: dict = {}
         self._yielded = Yielded()
         self._dataloader = None
+        self._ray: Iterator[dict] | None = None  # the running Ray workers' batches
         if self.dataloader_options["persistent_workers"]:
             self.plan.share_epoch()
         self._start_afresh(0)
@@ -136,6 +138,7 @@ class Loader:
         """The workers' streams no longer stand where this loader does: start them anew."""
         self._reusable = False
         self.stream.forget()
+        self._stop_ray()
         if self.dataloader_options["persistent_workers"]:
             self._dataloader = None  # its workers stop with it; new ones get the new job
 
@@ -146,8 +149,6 @@ class Loader:
         return self._batches_per_epoch
 
     def __iter__(self) -> Iterator[dict]:
-        from torch.utils.data import DataLoader
-
         total = self._batches_per_epoch
         if self._done >= total:
             if self._pinned:  # set_epoch named an epoch that is already whole
@@ -161,15 +162,9 @@ class Loader:
         self.plan.epoch = self._epoch
         self._worker_stats = {}
         self._yielded = Yielded()
-        if self._dataloader is None:  # kept, so that persistent workers persist
-            if self.dataloader_options["num_workers"]:
-                check_main_guarded(
-                    self.dataloader_options["multiprocessing_context"].get_start_method()
-                )
-            self._dataloader = DataLoader(self.stream, **self.dataloader_options)
         whole = self._done == 0
         self._reusable = False
-        batches = iter(self._dataloader)
+        batches = self._ray_batches(total) if self._on_ray else self._local_batches()
         try:
             for batch in batches:
                 state = batch.pop(STATE_KEY)
@@ -179,6 +174,9 @@ class Loader:
                 self._done += 1
                 self._yielded.count(batch)
                 yield batch
+        except GeneratorExit:  # iteration stopped early: Ray actors stop now, not at GC
+            self._stop_ray()
+            raise
         except Exception as e:
             # Stop the workers now: the error's traceback holds the DataLoader's iterator, and
             # freed later by the cycle collector, its queues can go first, its workers are
@@ -186,11 +184,13 @@ class Loader:
             shutdown = getattr(batches, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
+            self._stop_ray()
             self._dataloader = None
             self.stream.forget()  # without workers: the read-ahead thread stops now
             if (
                 isinstance(e, (ConnectionError, EOFError))
                 and self.dataloader_options["num_workers"]
+                and not self._on_ray
             ):
                 # a worker that dies while its batch's shared memory is being handed over
                 raise RuntimeError(
@@ -200,21 +200,63 @@ class Loader:
             raise
         if self._done != total:
             raise WdsvlmError(f"epoch {self._epoch} ended after {self._done} of {total} batches")
-        self._reusable = whole  # each worker's stream stands at the end of this epoch
+        self._reusable = whole and not self._on_ray  # each worker's stream stands at its end
+
+    @property
+    def _on_ray(self) -> bool:
+        return isinstance(self.settings.workers, RayWorkers)
+
+    def _local_batches(self) -> Iterator[dict]:
+        """The epoch's batches from the DataLoader (its workers on this node, or none)."""
+        from torch.utils.data import DataLoader
+
+        if self._dataloader is None:  # kept, so that persistent workers persist
+            if self.dataloader_options["num_workers"]:
+                check_main_guarded(
+                    self.dataloader_options["multiprocessing_context"].get_start_method()
+                )
+            self._dataloader = DataLoader(self.stream, **self.dataloader_options)
+        return iter(self._dataloader)
+
+    def _ray_batches(self, total: int) -> Iterator[dict]:
+        """The epoch's batches from one Ray actor per worker (``ray_workers.py``); the
+        actors stop with the iteration, or when this loader closes."""
+        import torch
+
+        from .ray_workers import ray_batches
+
+        self._ray = ray_batches(
+            self.stream,
+            self._epoch,
+            self._done,
+            self._states,
+            total,
+            self.settings.workers,
+            pin_memory=self.settings.pin_memory and torch.cuda.is_available(),
+        )
+        return self._ray
 
     def close(self) -> None:
-        """Stop the workers and any read-ahead thread now (also done when the loader goes)."""
+        """Stop the workers (DataLoader processes or Ray actors) and any read-ahead thread
+        now (also done when the loader goes)."""
         self.stream.forget()
         self._reusable = False
         self._dataloader = None
+        self._stop_ray()
+
+    def _stop_ray(self) -> None:
+        ray, self._ray = getattr(self, "_ray", None), None
+        if ray is not None:
+            ray.close()  # its actors are killed
 
     def __del__(self):
         stream = getattr(self, "stream", None)
-        if stream is not None:
-            try:
+        try:
+            if stream is not None:
                 stream.forget()
-            except Exception:  # noqa: BLE001 - at interpreter exit, parts may be gone already
-                pass
+            self._stop_ray()
+        except Exception:  # noqa: BLE001 - at interpreter exit, parts may be gone already
+            pass
 
     def state_dict(self) -> dict:
         """Where this rank's loader stands: the epoch, the batches of it taken so far, and

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..storage.fs import ReadPolicy
+from .placement import LOCAL, check_workers
 from .workers import check_context
 
 log = logging.getLogger("wdsvlm.settings")
@@ -39,7 +40,10 @@ class LoaderSettings:
     batch_size: int = _shapes(8)
     """Packed rows per batch."""
     num_workers: int = 0
-    """DataLoader workers per rank (part of the topology, checked on resume apart)."""
+    """Workers per rank (part of the topology, checked on resume apart)."""
+    workers: Any = field(default=LOCAL, hash=False)
+    """Where the workers run: ``"local"`` (DataLoader processes on this node) or
+    ``wdsvlm.RayWorkers(...)`` (Ray actors); the same batches either way."""
     seed: int = _shapes(0)
     """Seeds the order of every pass and the shuffle buffer."""
     shuffle_buffer: int = _shapes(1000)
@@ -140,6 +144,7 @@ class LoaderSettings:
                 f"on_shard_error must be 'raise' or 'skip', not {self.on_shard_error!r}"
             )
         check_context(self.multiprocessing_context)
+        check_workers(self.workers, self.num_workers)
         if self.processor is not None:  # the processor decides these: refuse what is ignored
             tiling = ["image_token", "tile_size", "max_image_side", "upscale", "tokens_per_tile"]
             given = [n for n in tiling if getattr(self, n) != _DEFAULTS[n]]

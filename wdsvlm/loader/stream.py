@@ -122,9 +122,20 @@ class Stream(IterableDataset):
         self._live: LiveStream | None = None
 
     def __getstate__(self):
-        # What a worker gets: the job, not a running stream; and the environment as it is
-        # now (credentials set after the fork server started, say), as a forked worker has.
-        return {**self.__dict__, "_live": None, "_environ": dict(os.environ)}
+        # What a worker gets: the job, not a running stream; and, for a worker on this machine,
+        # the environment as it is now (credentials set after the fork server started, say),
+        # as a forked worker has.
+        state = {**self.__dict__, "_live": None}
+        if state.get("carry_environ", True):
+            state["_environ"] = dict(os.environ)
+        return state
+
+    def portable(self) -> Stream:
+        """A copy for a worker on another machine (a Ray actor): without a running stream and
+        without this process's environment variables."""
+        other = Stream.__new__(Stream)
+        other.__dict__.update({**self.__dict__, "_live": None, "carry_environ": False})
+        return other
 
     def __setstate__(self, state: dict) -> None:
         environ = state.pop("_environ", None)
@@ -166,6 +177,18 @@ class Stream(IterableDataset):
             role = (job["done"] + worker) % self.workers
             live = self._live = self._start(role, epoch, job["states"][role])
             live.left = quota(job["done"], self.batches_per_epoch, self.workers, role)
+        return self._take(live)
+
+    def play(self, role: int, epoch: int, state: WorkerState, left: int) -> Iterator[dict]:
+        """The next ``left`` batches of worker ``role``'s stream in ``epoch``, from ``state``:
+        what a worker running elsewhere (a Ray actor) yields, the same as the DataLoader
+        worker that plays ``role`` would."""
+        self.skips.reset()
+        live = self._live = self._start(role, epoch, state)
+        live.left = left
+        return self._take(live)
+
+    def _take(self, live: LiveStream) -> Iterator[dict]:
         live.pack.stats.reset()
         live.balance.figures = [0, 0, 0]
         while live.left > 0:
