@@ -171,8 +171,9 @@ def ray_batches(
             states[role] = batch[STATE_KEY]["state"]
             if len(pending[role]) < min(options.in_flight, left[role]):
                 pending[role].append(actors[role].next.remote())
-            yield to_tensors(batch, pin_memory)
-            del batch
+            out = to_tensors(batch, pin_memory)
+            del batch  # the store's copy goes now, not when the trainer asks for the next
+            yield out
     finally:
         for actor in actors.values():
             ray.kill(actor, no_restart=True)

@@ -1,0 +1,366 @@
+"""The Ray side of tests/test_ray_workers.py, run as ``python -m tests.ray_loader_job CASE WORKDIR
+LIMIT`` inside a network namespace that holds only loopback (so Ray listens on 127.0.0.1 and
+nowhere else). It writes what it found to ``WORKDIR/CASE.json``; the test asserts on it. Past
+``LIMIT`` seconds it prints every thread's stack and exits.
+
+The ``rank`` case is one torchrun rank of the ``torchrun`` case."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no usage statistics
+os.environ["RAY_AUTH_MODE"] = "disabled"  # no token written to ~/.ray
+
+import ray  # noqa: E402
+
+import wdsvlm  # noqa: E402
+
+from .ray_job import TEMP_PREFIX, ray_session  # noqa: E402
+from .test_ddp import SETTINGS, TOKENIZER, digest  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EPOCHS = 3
+ACTOR_TITLE = b"ray::RayWorker"  # the process title Ray gives an actor of ray_workers.RayWorker
+
+
+def run(data, workers, epochs=EPOCHS, state=None, each=None, **options) -> tuple[list, list]:
+    """The digests of every batch of ``epochs`` epochs and the loader's state after each
+    (from ``state``, if given: the loop a restarted job runs); ``each(step, loader)`` after
+    each."""
+    loader = wdsvlm.Loader(data, TOKENIZER, workers=workers, **{**SETTINGS, **options})
+    first = 0
+    if state is not None:
+        loader.load_state_dict(state)
+        first = state["epoch"] if isinstance(state, dict) else state[0]["epoch"]
+    digests, states = [], []
+    for epoch in range(first, epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            digests.append(digest(batch))
+            states.append(loader.state_dict())
+            if each is not None:
+                each(len(digests), loader)
+    return digests, states
+
+
+def cpus_back(total: float, limit: float = 20) -> bool:
+    """Whether every CPU of the local Ray is free again within ``limit`` seconds: each actor
+    holds one while it lives."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if ray.available_resources().get("CPU", 0) == total:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def store_usage() -> tuple[int, int]:
+    """Bytes and objects in Ray's object store now (the cluster's own count)."""
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    stats = get_memory_info_reply(get_state_from_address()).store_stats
+    return stats.object_store_bytes_used, stats.num_local_objects
+
+
+def settled(objects: int, limit: float = 10) -> tuple[int, int]:
+    """The object store's usage once it holds at most ``objects`` objects (frees are
+    asynchronous), or as it is after ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    while (usage := store_usage())[1] > objects and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return usage
+
+
+def kill_an_actor() -> int:
+    """SIGKILL one running actor of the loader's Ray workers, the newest (not one of an
+    epoch before, being stopped); its pid."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        for pid in sorted(os.listdir("/proc"), key=lambda p: -int(p) if p.isdigit() else 0):
+            if pid.isdigit():
+                try:
+                    title = open(f"/proc/{pid}/cmdline", "rb").read()
+                except OSError:
+                    continue
+                if title.startswith(ACTOR_TITLE):
+                    os.kill(int(pid), signal.SIGKILL)
+                    return int(pid)
+        time.sleep(0.05)
+    raise AssertionError("no Ray worker actor process found to kill")
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def suite(work: str) -> dict:
+    """Ray workers against local workers on 2 simulated ranks: the same batches over three
+    epochs, resume either way, elastic resume, backpressure, clean stop, errors."""
+    data = os.path.join(work, "data")
+    found: dict = {}
+    ray_workers = wdsvlm.RayWorkers(in_flight=2)
+    with ray_session(4):
+        total = ray.available_resources()["CPU"]
+        for rank in (0, 1):
+            two = {"rank": rank, "world_size": 2, "num_workers": 2}
+            local, local_states = run(data, "local", **two)
+            on_ray, ray_states = run(data, ray_workers, **two)
+            found[f"same-{rank}"] = [local, on_ray]
+            # a state saved with one kind of worker resumes with the other (mid epoch 0,
+            # and mid epoch 1)
+            for k in (1, len(local) // EPOCHS + 1):
+                found[f"local-to-ray-{rank}-{k}"] = [
+                    local[k + 1 :],
+                    run(data, ray_workers, state=local_states[k], **two)[0],
+                ]
+                found[f"ray-to-local-{rank}-{k}"] = [
+                    local[k + 1 :],
+                    run(data, "local", state=ray_states[k], **two)[0],
+                ]
+            found[f"states-{rank}"] = local_states
+        found["cpus-back-after-epochs"] = cpus_back(total)
+        # elastic: both ranks' states at step 2 onto one rank of 3 workers, local and Ray
+        states = [found["states-0"][2], found["states-1"][2]]
+        one = {"rank": 0, "world_size": 1, "num_workers": 3}
+        found["elastic"] = [
+            run(data, "local", state=states, **one)[0],
+            run(data, ray_workers, state=states, **one)[0],
+        ]
+        found["backpressure"] = backpressure(data)
+        found["stops"] = stops(data, ray_workers, total)
+        found["errors"] = errors(work, data, ray_workers)
+        found["cpus-back-at-end"] = cpus_back(total)
+    for rank in (0, 1):
+        del found[f"states-{rank}"]
+    return found
+
+
+def backpressure(data: str) -> dict:
+    """A trainer that sleeps after its first batch: the object store holds at most
+    ``in_flight`` finished batches per actor, whatever the wait."""
+    out = {}
+    big = {"tile_size": 256, "max_image_side": 512, "max_length": 1024}  # batches in the store
+    for in_flight in (1, 3):
+        workers = wdsvlm.RayWorkers(in_flight=in_flight)
+        settings = {**SETTINGS, **big, "num_workers": 2}
+        loader = wdsvlm.Loader(data, TOKENIZER, workers=workers, **settings)
+        before = store_usage()
+        batches = iter(loader)
+        first = next(batches)
+        seen = []
+        for _ in range(6):  # the trainer sleeps: the actors fill their in_flight and wait
+            time.sleep(0.5)
+            seen.append(store_usage())
+        sizes = [nbytes(first)] + [nbytes(b) for b in batches]
+        out[in_flight] = {
+            "before": before,
+            "sleeping": seen,
+            "batch_bytes": max(sizes),
+            "stream_bytes": len(ray.cloudpickle.dumps(loader.stream.portable())),
+            "batches": len(sizes),
+            "after": settled(before[1]),
+        }
+    return out
+
+
+def nbytes(batch: dict) -> int:
+    return sum(v.nbytes for v in batch.values() if hasattr(v, "nbytes"))
+
+
+def stops(data: str, workers, total: float) -> dict:
+    """Actors end with a whole epoch, an iteration broken off, ``close()`` and the loader
+    going away."""
+    out = {}
+    loader = wdsvlm.Loader(data, TOKENIZER, num_workers=2, workers=workers, **SETTINGS)
+    batches = iter(loader)
+    next(batches)
+    out["running"] = ray.available_resources().get("CPU", 0)
+    batches.close()  # a `break` out of the loop
+    out["break"] = cpus_back(total)
+    batches = iter(loader)
+    next(batches)
+    loader.close()
+    out["close"] = cpus_back(total)
+    batches = iter(loader)
+    next(batches)
+    del batches, loader
+    out["gone"] = cpus_back(total)
+    return out
+
+
+def errors(work: str, data: str, workers) -> dict:
+    """A shard gone after the loader was built: the actor's error is raised in the trainer,
+    of its own type and naming the shard; num_workers=0 is refused."""
+    out = {}
+    broken = os.path.join(work, "broken")
+    shutil.copytree(data, broken)
+    gone = sorted(n for n in os.listdir(broken) if n.endswith(".tar"))[0]
+    loader = wdsvlm.Loader(broken, TOKENIZER, num_workers=2, workers=workers, **SETTINGS)
+    os.remove(os.path.join(broken, gone))
+    try:
+        for _ in loader:
+            pass
+    except Exception as e:  # noqa: BLE001 - what the trainer sees
+        out["raised"] = [
+            isinstance(e, wdsvlm.StorageError),
+            isinstance(e, wdsvlm.WdsvlmError),
+            str(e),
+            gone,
+        ]
+    try:
+        wdsvlm.Loader(data, TOKENIZER, num_workers=0, workers=workers, **SETTINGS)
+    except ValueError as e:
+        out["no-workers"] = str(e)
+    return out
+
+
+def faults(work: str) -> dict:
+    """Actors killed with SIGKILL mid-epoch: the batches equal an undisturbed run, a log line
+    names each restart; past max_restarts, an error names the worker."""
+    data = os.path.join(work, "data")
+    found: dict = {}
+    lines = Lines()
+    logging.getLogger("wdsvlm.loader").addHandler(lines)
+    options = {"num_workers": 2, "world_size": 1, "rank": 0}
+    with ray_session(3):
+        total = ray.available_resources()["CPU"]
+        found["undisturbed"] = run(data, "local", epochs=2, **options)[0]
+        killed = []
+
+        def kill_at(steps):
+            def each(step, loader):
+                if step in steps:
+                    killed.append(kill_an_actor())
+
+            return each
+
+        workers = wdsvlm.RayWorkers(max_restarts=3)
+        found["killed-twice"] = run(data, workers, epochs=2, each=kill_at({2, 5}), **options)[0]
+        found["killed"] = killed[:]
+        found["log"] = lines.lines[:]
+        lines.lines.clear()
+        try:
+            few = wdsvlm.RayWorkers(max_restarts=1)
+            run(data, few, epochs=1, each=kill_at({1, 3}), **options)
+        except wdsvlm.WdsvlmError as e:
+            found["past-max"] = str(e)
+        found["cpus-back"] = cpus_back(total)
+    return found
+
+
+def ray_train(work: str) -> dict:
+    """The Loader with Ray workers inside Ray Train's TorchTrainer: 2 CPU training workers
+    on gloo, each rank's digests written to WORKDIR."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    data = os.path.join(work, "data")
+
+    def train(config):
+        import torch.distributed as dist
+
+        options = {"num_workers": 2}
+        digests = run(config["data"], wdsvlm.RayWorkers(), **options)[0]
+        rank = dist.get_rank()
+        facts = [rank, dist.get_world_size(), dist.get_backend(), digests]
+        with open(os.path.join(config["work"], f"train-rank{rank}.json"), "w") as f:
+            json.dump(facts, f)
+
+    with ray_session(6) as temp:
+        trainer = TorchTrainer(
+            train,
+            train_loop_config={"data": data, "work": work},
+            scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+            run_config=RunConfig(storage_path=os.path.join(temp, "train")),
+        )
+        result = trainer.fit()
+        assert result.error is None, result.error
+    return {f"rank{r}": json.load(open(os.path.join(work, f"train-rank{r}.json"))) for r in (0, 1)}
+
+
+def torchrun(work: str) -> dict:
+    """2 ranks x 2 Ray workers under torchrun, joined to a ``ray start --head`` cluster by
+    RAY_ADDRESS; rank 0 kills an actor mid-epoch, in each of the 2 epochs. Then the same
+    with local workers."""
+    found: dict = {}
+    temp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    port = "6391"
+    head = [ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}"]
+    head += ["--num-cpus=4", "--include-dashboard=false", f"--temp-dir={temp}"]
+    head += ["--disable-usage-stats"]
+    subprocess.run(head, check=True, capture_output=True)
+    try:
+        for mode in ("ray", "local"):
+            env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}", "JOB_MODE": mode}
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+            command += ["--master_addr=127.0.0.1", "--master_port=29531"]
+            command += ["-m", "tests.ray_loader_job", "rank", work, "150"]
+            done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
+            assert done.returncode == 0, f"{mode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+            ranks = [os.path.join(work, f"{mode}-rank{r}.json") for r in (0, 1)]
+            found[mode] = [json.load(open(path)) for path in ranks]
+            found[f"{mode}-stderr"] = done.stderr[-20000:]
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], capture_output=True)
+        shutil.rmtree(temp, ignore_errors=True)
+    return found
+
+
+def rank(work: str) -> None:
+    """One torchrun rank: 2 epochs, an all-reduce every step (a hang if the ranks disagree on
+    the number of steps); with Ray workers, rank 0 kills an actor after the first step of each
+    epoch (the other actor of rank 0 still owes it batches of that epoch)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    me = dist.get_rank()
+    mode = os.environ["JOB_MODE"]
+    killed = []
+
+    def each(step, loader):
+        total = torch.tensor([step])
+        dist.all_reduce(total)
+        if mode == "ray" and me == 0 and step % len(loader) == 1:
+            killed.append(kill_an_actor())
+
+    workers = wdsvlm.RayWorkers() if mode == "ray" else "local"
+    digests = run(os.path.join(work, "data"), workers, epochs=2, each=each, num_workers=2)[0]
+    with open(os.path.join(work, f"{mode}-rank{me}.json"), "w") as f:
+        json.dump({"digests": digests, "killed": killed}, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    case, work = sys.argv[1], sys.argv[2]
+    faulthandler.dump_traceback_later(float(sys.argv[3]), exit=True)
+    if case == "rank":
+        return rank(work)
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")
+    try:
+        cases = {"suite": suite, "faults": faults, "ray_train": ray_train, "torchrun": torchrun}
+        found = cases[case](work)
+    finally:
+        shutil.rmtree(os.environ["RAY_TMPDIR"], ignore_errors=True)
+    with open(os.path.join(work, f"{case}.json"), "w") as f:
+        json.dump(found, f)
+
+
+if __name__ == "__main__":
+    main()

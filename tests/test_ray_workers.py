@@ -1,0 +1,116 @@
+"""The Loader's workers as Ray actors (``workers=wdsvlm.RayWorkers(...)``), against a real local
+Ray (and a ``ray start`` cluster joined by torchrun ranks, and Ray Train), in a network
+namespace that holds only loopback; actors killed with SIGKILL. The Ray side runs in
+tests/ray_loader_job.py; here its findings are checked. Nothing may be left behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from .test_ddp import SHARD_SIZES, write_uneven
+from .test_ray import assert_no_ray_process, run_job
+
+pytestmark = pytest.mark.processes
+MODULE = "tests.ray_loader_job"
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """47 samples in 7 uneven shards (one empty), as the DDP tests use."""
+    work = tmp_path_factory.mktemp("rayloader")
+    tmp = work / "tmp"
+    tmp.mkdir()
+    write_uneven(str(work / "data"), SHARD_SIZES, str(tmp))
+    return work
+
+
+@pytest.fixture(scope="module")
+def suite(work):
+    return run_job(work, "suite", limit=400, module=MODULE)
+
+
+def test_ray_workers_give_the_local_workers_batches_bit_for_bit(suite):
+    for rank in (0, 1):
+        local, on_ray = suite[f"same-{rank}"]
+        assert len(local) >= 3 * 2 and len(set(local)) == len(local)  # 3 epochs, all distinct
+        assert on_ray == local, rank
+    assert len(suite["same-0"][0]) == len(suite["same-1"][0])  # equal steps on both ranks
+    assert suite["cpus-back-after-epochs"] and suite["cpus-back-at-end"]
+
+
+def test_a_state_saved_with_either_kind_of_worker_resumes_with_the_other(suite):
+    names = [n for n in suite if n.startswith(("local-to-ray-", "ray-to-local-"))]
+    assert len(names) == 8  # 2 ranks x 2 directions x (mid epoch 0, mid epoch 1)
+    for name in names:
+        expected, resumed = suite[name]
+        assert expected and resumed == expected, name
+
+
+def test_an_elastic_resume_with_ray_workers_equals_the_local_one(suite):
+    local, on_ray = suite["elastic"]
+    assert local and on_ray == local
+
+
+def test_the_object_store_holds_at_most_in_flight_batches_per_actor(suite):
+    for in_flight, seen in suite["backpressure"].items():
+        in_flight = int(in_flight)
+        assert seen["batch_bytes"] > 200_000  # large enough to live in the store, not inline
+        base_bytes, base_objects = seen["before"]
+        # beyond what was there: 2 actors' finished batches, and the stream they play
+        objects = [n - base_objects for _, n in seen["sleeping"]]
+        assert max(objects) <= 2 * in_flight + 1, (in_flight, seen)
+        assert objects[-1] >= 2 * in_flight, (in_flight, seen)  # the actors did fill up
+        held = max(b for b, _ in seen["sleeping"]) - base_bytes
+        limit = 2 * in_flight * seen["batch_bytes"] + seen["stream_bytes"] * 1.1
+        assert held <= limit, (in_flight, seen)
+        assert seen["after"][1] <= base_objects, seen  # nothing held once the epoch is taken
+    one, three = suite["backpressure"]["1"], suite["backpressure"]["3"]
+    assert max(n for _, n in one["sleeping"]) < max(n for _, n in three["sleeping"])
+
+
+def test_actors_end_with_the_epoch_a_break_close_and_the_loader_going(suite):
+    stops = suite["stops"]
+    assert stops["running"] <= 2  # two of the 4 CPUs taken by the actors while they run
+    assert stops["break"] and stops["close"] and stops["gone"]
+
+
+def test_an_actors_error_is_raised_in_the_trainer_as_it_was_raised(suite):
+    is_storage, is_wdsvlm, message, gone = suite["errors"]["raised"]
+    assert is_storage and is_wdsvlm
+    assert gone in message
+    assert "num_workers=1 or more" in suite["errors"]["no-workers"]
+
+
+def test_actors_killed_mid_epoch_restart_from_their_state_and_nothing_changes(work):
+    found = run_job(work, "faults", limit=300, module=MODULE)
+    assert len(found["killed"]) == 2
+    assert found["killed-twice"] == found["undisturbed"]
+    restarts = [line for line in found["log"] if "restarting it from its state" in line]
+    assert len(restarts) == 2, found["log"]
+    assert all(line.startswith("Ray worker ") and "global worker" in line for line in restarts)
+    assert "(restart 1 of 3)" in restarts[0] and "(restart 2 of 3)" in restarts[1]
+    assert "max_restarts" in found["past-max"] and "Ray worker" in found["past-max"]
+    assert "ActorDiedError" in found["past-max"] or "RayActorError" in found["past-max"]
+    assert found["cpus-back"]
+
+
+def test_two_torchrun_ranks_with_ray_workers_and_killed_actors_equal_local_workers(work):
+    found = run_job(work, "torchrun", limit=400, module=MODULE)
+    on_ray, local = found["ray"], found["local"]
+    assert len(on_ray[0]["killed"]) == 2
+    for rank in (0, 1):
+        assert local[rank]["digests"] and on_ray[rank]["digests"] == local[rank]["digests"]
+    assert len(local[0]["digests"]) == len(local[1]["digests"])
+    assert found["ray-stderr"].count("restarting it from its state") == 2
+
+
+def test_the_loader_with_ray_workers_runs_inside_ray_train(work, suite):
+    found = run_job(work, "ray_train", limit=300, module=MODULE)
+    for rank in (0, 1):
+        me, world, backend, digests = found[f"rank{rank}"]
+        assert (me, world, backend) == (rank, 2, "gloo")
+        assert digests == suite[f"same-{rank}"][0]  # the local workers' batches of that rank
+
+
+def test_ray_workers_leave_no_process_behind(suite):
+    assert_no_ray_process()
