@@ -12,13 +12,14 @@ own way of feeding a trainer, on the same shards and settings, in one run.
    ``iter_torch_batches`` with a pad-to-longest collate, on the same local Ray.
 
 For each: samples/s over one pass (``--repeat`` copies of the dataset), the steady rate after
-the first batch, the time to the first batch, padding, and the CPU seconds per batch spent by
-the trainer process (its own clock; with local workers, plus the DataLoader worker processes
-it started: the work the GPU node's CPUs do) and by the workers elsewhere (Ray actors or Ray
-Data's tasks). Then, on 2 ranks: the steps each rank gets (Ray Data: the two split iterators
-consumed at once, as two trainers would), whether two runs give the same order, and whether
-a mid-epoch resume is possible (wdsvlm: a state after 3 batches loaded into a new Loader, the
-next batches compared).
+the first batch, the time to the first batch, padding, and the CPU milliseconds per sample
+spent on the trainer's node (the trainer process's own clock; with local workers, plus the
+DataLoader worker processes it started) and elsewhere (the Ray actors; for Ray Data, every
+``ray::`` process seen while it ran, sampled, so approximate). The ratio line compares CPU per
+batch on the trainer's node, the batches being the same. Then, on 2 ranks: the steps each
+rank gets (Ray Data: the two split iterators consumed at once, as two trainers would),
+whether two runs give the same order, and whether a mid-epoch resume is possible (wdsvlm: a
+state after 3 batches loaded into a new Loader, the next batches compared).
 """
 
 from __future__ import annotations
@@ -307,7 +308,7 @@ def main() -> None:
     )
     print(
         "| pipeline | samples/s | after the first batch | first batch | padding "
-        "| trainer CPU s/batch | workers' CPU s/batch | steps per rank (2 ranks) "
+        "| trainer's node CPU ms/sample | elsewhere CPU ms/sample | steps per rank (2 ranks) "
         "| same order twice | mid-epoch resume |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |")
@@ -333,8 +334,8 @@ def main() -> None:
             steps = f"{steps[0]}, {steps[1]} ({dropped} samples dropped by equal=True)"
         print(
             f"| {name} | {a['rate']:.1f} | {a['steady']:.1f} | {a['first']:.2f} s "
-            f"| {a['padding']:.1%} | {trainer / a['batches']:.3f} "
-            f"| {elsewhere / a['batches']:.3f} | {steps} | {same} | {resume} |"
+            f"| {a['padding']:.1%} | {1000 * trainer / a['samples']:.1f} "
+            f"| {1000 * elsewhere / a['samples']:.1f} | {steps} | {same} | {resume} |"
         )
     local, on_ray = rows["wdsvlm, local workers"][0], rows["wdsvlm, Ray workers"][0]
     local_cpu = (local["trainer_cpu"] + local["worker_cpu"]) / local["batches"]
