@@ -260,7 +260,55 @@ def faults(work: str) -> dict:
         except wdsvlm.WdsvlmError as e:
             found["past-max"] = str(e)
         found["cpus-back"] = cpus_back(total)
+        found["trainer-dies"] = trainer_dies(data, total, options)
     return found
+
+
+DRIVER = """
+import os, sys, time, wdsvlm
+from tests.test_ddp import SETTINGS, TOKENIZER
+loader = wdsvlm.Loader(sys.argv[1], TOKENIZER, num_workers=1, workers=wdsvlm.RayWorkers(),
+                       **SETTINGS)
+batches = iter(loader)
+next(batches)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def trainer_dies(data: str, total: float, options: dict) -> dict:
+    """Another trainer process on the same cluster, SIGKILLed while its Ray worker runs: its
+    actor goes with it; this process's loader goes on undisturbed."""
+    undisturbed = run(data, "local", epochs=1, **options)[0]
+    loader = wdsvlm.Loader(data, TOKENIZER, workers=wdsvlm.RayWorkers(), **SETTINGS, **options)
+    batches = iter(loader)
+    digests = [digest(next(batches))]
+    mine = total - ray.available_resources().get("CPU", 0)  # this loader's actors
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    other = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, data], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        ready = other.stdout.readline().strip()
+        held = total - ray.available_resources().get("CPU", 0)
+        other.send_signal(signal.SIGKILL)
+        other.wait(30)
+    finally:
+        other.kill()
+    deadline = time.monotonic() + 30  # its actor goes; these stay
+    while time.monotonic() < deadline:
+        if total - ray.available_resources().get("CPU", 0) == mine:
+            break
+        time.sleep(0.1)
+    after = total - ray.available_resources().get("CPU", 0)
+    digests += [digest(b) for b in batches]
+    return {
+        "ready": ready,
+        "cpus-mine": mine,
+        "cpus-with-other": held,
+        "cpus-after": after,
+        "same": digests == undisturbed,
+    }
 
 
 def ray_train(work: str) -> dict:

@@ -92,6 +92,10 @@ def test_actors_killed_mid_epoch_restart_from_their_state_and_nothing_changes(wo
     assert "max_restarts" in found["past-max"] and "Ray worker" in found["past-max"]
     assert "ActorDiedError" in found["past-max"] or "RayActorError" in found["past-max"]
     assert found["cpus-back"]
+    dies = found["trainer-dies"]  # another trainer on the cluster SIGKILLed mid-epoch
+    assert dies["ready"] == "ready" and dies["cpus-mine"] == 2 and dies["cpus-with-other"] == 3
+    assert dies["cpus-after"] == 2  # its actor went with it; this trainer's two stayed
+    assert dies["same"]  # and this trainer's batches did not change
 
 
 def test_two_torchrun_ranks_with_ray_workers_and_killed_actors_equal_local_workers(work):
