@@ -42,11 +42,17 @@ TEMP_PREFIX = "wdsvlm-ray-"  # Ray's session files go under /tmp/wdsvlm-ray-*, r
 
 
 @contextlib.contextmanager
-def ray_session(cpus: int):
-    """A local Ray of ``cpus`` CPUs, its session files in a folder of its own, stopped and
-    removed after."""
+def ray_session(cpus: int, resources: dict | None = None):
+    """A local Ray of ``cpus`` CPUs (and custom ``resources``), its session files in a folder
+    of its own, stopped and removed after."""
     temp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")  # short: Ray's socket paths
-    ray.init(num_cpus=cpus, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
+    ray.init(
+        num_cpus=cpus,
+        resources=resources,
+        include_dashboard=False,
+        _temp_dir=temp,
+        log_to_driver=False,
+    )
     try:
         yield temp
     finally:

@@ -113,8 +113,8 @@ def suite(work: str) -> dict:
     epochs, resume either way, elastic resume, backpressure, clean stop, errors."""
     data = os.path.join(work, "data")
     found: dict = {}
-    ray_workers = wdsvlm.RayWorkers(in_flight=2)
-    with ray_session(4):
+    ray_workers = wdsvlm.RayWorkers(in_flight=2, resources={"preprocess": 1})
+    with ray_session(4, resources={"preprocess": 4}):
         total = ray.available_resources()["CPU"]
         for rank in (0, 1):
             two = {"rank": rank, "world_size": 2, "num_workers": 2}
@@ -171,7 +171,6 @@ def backpressure(data: str) -> dict:
             "before": before,
             "sleeping": seen,
             "batch_bytes": max(sizes),
-            "stream_bytes": len(ray.cloudpickle.dumps(loader.stream.portable())),
             "batches": len(sizes),
             "after": settled(before[1]),
         }
@@ -226,6 +225,12 @@ def errors(work: str, data: str, workers) -> dict:
         wdsvlm.Loader(data, TOKENIZER, num_workers=0, workers=workers, **SETTINGS)
     except ValueError as e:
         out["no-workers"] = str(e)
+    nowhere = wdsvlm.RayWorkers(resources={"cpu_node": 1})  # no node offers it: not a hang
+    loader = wdsvlm.Loader(data, TOKENIZER, num_workers=2, workers=nowhere, **SETTINGS)
+    try:
+        next(iter(loader))
+    except wdsvlm.WdsvlmError as e:
+        out["no-node"] = str(e)
     return out
 
 

@@ -87,6 +87,23 @@ def connect(options: RayWorkers) -> None:
     ray.init(address=options.address, **extra)
 
 
+def check_feasible(options: RayWorkers) -> None:
+    """Refuse at once what no node of the cluster can ever hold: an actor that asks for it
+    would wait for ever (a cluster that adds nodes on demand can use ``get_timeout``)."""
+    import ray
+
+    wanted = {"CPU": options.cpus_per_worker, **dict(options.resources or {})}
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    for name, amount in wanted.items():
+        if amount and not any(node.get(name, 0) >= amount for node in nodes):
+            offered = sorted({k for node in nodes for k in node if not k.startswith("node:")})
+            raise WdsvlmError(
+                f"RayWorkers asks for {amount} {name} per worker, and no node of the Ray "
+                f"cluster has that many (the nodes offer {', '.join(offered) or 'nothing'}): "
+                "start nodes with it (ray start --num-cpus / --resources), or ask for less"
+            )
+
+
 def actor_class():
     import ray
 
@@ -108,6 +125,7 @@ def ray_batches(
     from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 
     connect(options)
+    check_feasible(options)
     workers = len(states)
     states = list(states)
     left = [quota(done, total, workers, role) for role in range(workers)]
