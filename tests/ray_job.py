@@ -61,6 +61,23 @@ def ray_session(cpus: int, resources: dict | None = None):
 
 
 @contextlib.contextmanager
+def ray_cluster(cpus: int, port: int):
+    """A cluster started by ``ray start --head`` on 127.0.0.1:``port`` (as users start one),
+    its session files in a folder of its own; yields its address. Stopped and removed after."""
+    temp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = [ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}"]
+    head += [f"--num-cpus={cpus}", "--include-dashboard=false", f"--temp-dir={temp}"]
+    head += ["--disable-usage-stats"]
+    subprocess.run(head, check=True, capture_output=True)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], capture_output=True)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def moto():
     """A moto S3 server on 127.0.0.1 and a bucket; yields ``(s3 URL, storage_options)``."""
     import s3fs
@@ -153,21 +170,10 @@ def suite(work: str) -> dict:
     out = f"{work}/cli-workers"
     code = cli([*args, "--input", spec["json"], "--output", out, "--workers", "2"])
     found["cli-workers"] = [code, digests(f"{work}/cli-workers")]
-    temp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")
-    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    port = "6390"
-    head = [ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}"]
-    head += ["--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp}"]
-    head += ["--disable-usage-stats"]
-    subprocess.run(head, check=True, capture_output=True)
-    try:
+    with ray_cluster(2, port=6390) as address:
         out = f"{work}/cli-address"
-        address = ["--ray-address", f"127.0.0.1:{port}"]
-        code = cli([*args, "--input", spec["json"], "--output", out, *address])
+        code = cli([*args, "--input", spec["json"], "--output", out, "--ray-address", address])
         found["cli-address"] = [code, digests(f"{work}/cli-address")]
-    finally:
-        subprocess.run([ray_cli, "stop", "--force"], capture_output=True)
-        shutil.rmtree(temp, ignore_errors=True)
     return found
 
 
@@ -209,13 +215,15 @@ def kill_worker(work: str) -> dict:
         return {"killed": killed, "shards": summary.shards, "s3": digests(f"{bucket}/ds", options)}
 
 
-def main() -> None:
+def run_case(cases: dict) -> None:
+    """``python -m MODULE CASE WORKDIR LIMIT``: ``cases[CASE](WORKDIR)``, what it found written
+    to ``WORKDIR/CASE.json``; past ``LIMIT`` seconds every thread's stack and exit."""
     case, work = sys.argv[1], sys.argv[2]
     faulthandler.dump_traceback_later(float(sys.argv[3]), exit=True)
     # every Ray session of the job, those wdsvlm starts itself included, under one folder
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")
     try:
-        found = {"suite": suite, "kill_worker": kill_worker}[case](work)
+        found = cases[case](work)
     finally:
         shutil.rmtree(os.environ["RAY_TMPDIR"], ignore_errors=True)
     with open(os.path.join(work, f"{case}.json"), "w") as f:
@@ -223,4 +231,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_case({"suite": suite, "kill_worker": kill_worker})

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no usage statistics
@@ -25,7 +24,7 @@ import ray  # noqa: E402
 
 import wdsvlm  # noqa: E402
 
-from .ray_job import TEMP_PREFIX, ray_session  # noqa: E402
+from .ray_job import ray_cluster, ray_session, run_case  # noqa: E402
 from .test_ddp import SETTINGS, TOKENIZER, digest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -351,16 +350,9 @@ def torchrun(work: str) -> dict:
     RAY_ADDRESS; rank 0 kills an actor mid-epoch, in each of the 2 epochs. Then the same
     with local workers."""
     found: dict = {}
-    temp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")
-    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    port = "6391"
-    head = [ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}"]
-    head += ["--num-cpus=4", "--include-dashboard=false", f"--temp-dir={temp}"]
-    head += ["--disable-usage-stats"]
-    subprocess.run(head, check=True, capture_output=True)
-    try:
+    with ray_cluster(4, port=6391) as address:
         for mode in ("ray", "local"):
-            env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}", "JOB_MODE": mode}
+            env = {**os.environ, "RAY_ADDRESS": address, "JOB_MODE": mode}
             command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
             command += ["--master_addr=127.0.0.1", "--master_port=29531"]
             command += ["-m", "tests.ray_loader_job", "rank", work, "150"]
@@ -369,9 +361,6 @@ def torchrun(work: str) -> dict:
             ranks = [os.path.join(work, f"{mode}-rank{r}.json") for r in (0, 1)]
             found[mode] = [json.load(open(path)) for path in ranks]
             found[f"{mode}-stderr"] = done.stderr[-20000:]
-    finally:
-        subprocess.run([ray_cli, "stop", "--force"], capture_output=True)
-        shutil.rmtree(temp, ignore_errors=True)
     return found
 
 
@@ -400,20 +389,9 @@ def rank(work: str) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
-    case, work = sys.argv[1], sys.argv[2]
-    faulthandler.dump_traceback_later(float(sys.argv[3]), exit=True)
-    if case == "rank":
-        return rank(work)
-    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")
-    try:
-        cases = {"suite": suite, "faults": faults, "ray_train": ray_train, "torchrun": torchrun}
-        found = cases[case](work)
-    finally:
-        shutil.rmtree(os.environ["RAY_TMPDIR"], ignore_errors=True)
-    with open(os.path.join(work, f"{case}.json"), "w") as f:
-        json.dump(found, f)
-
-
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "rank":  # one torchrun rank of the torchrun case
+        faulthandler.dump_traceback_later(float(sys.argv[3]), exit=True)
+        rank(sys.argv[2])
+    else:
+        run_case({"suite": suite, "faults": faults, "ray_train": ray_train, "torchrun": torchrun})
