@@ -140,6 +140,15 @@ def suite(work: str) -> dict:
             run(data, "local", state=states, **one)[0],
             run(data, ray_workers, state=states, **one)[0],
         ]
+        # a mixture: one source repeated 1.5 times a pass, 20 samples a pass of another
+        other = os.path.join(work, "other")
+        shutil.copytree(data, other)
+        mixture = [wdsvlm.Source(data, repeat=1.5, name="a"), wdsvlm.Source(other, choose=20)]
+        two = {"rank": 1, "world_size": 2, "num_workers": 2}
+        found["mixture"] = [
+            run(mixture, "local", epochs=2, **two)[0],
+            run(mixture, ray_workers, epochs=2, **two)[0],
+        ]
         found["backpressure"] = backpressure(data)
         found["stops"] = stops(data, ray_workers, total)
         found["errors"] = errors(work, data, ray_workers)

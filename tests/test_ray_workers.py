@@ -38,6 +38,11 @@ def test_ray_workers_give_the_local_workers_batches_bit_for_bit(suite):
     assert suite["cpus-back-after-epochs"] and suite["cpus-back-at-end"]
 
 
+def test_a_mixture_gives_the_same_batches_with_ray_workers(suite):
+    local, on_ray = suite["mixture"]
+    assert len(local) >= 2 and on_ray == local
+
+
 def test_a_state_saved_with_either_kind_of_worker_resumes_with_the_other(suite):
     names = [n for n in suite if n.startswith(("local-to-ray-", "ray-to-local-"))]
     assert len(names) == 8  # 2 ranks x 2 directions x (mid epoch 0, mid epoch 1)

@@ -50,9 +50,6 @@ class RayWorker:
     def next(self) -> dict:
         return to_arrays(next(self.batches))
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 def to_arrays(batch: dict) -> dict:
     """The batch with its tensors as numpy arrays (held by Ray's object store unpickled)."""
