@@ -162,12 +162,13 @@ def backpressure(data: str) -> dict:
     """A trainer that sleeps after its first batch: the object store holds at most
     ``in_flight`` finished batches per actor, whatever the wait."""
     out = {}
-    big = {"tile_size": 256, "max_image_side": 512, "max_length": 1024}  # batches in the store
+    big = {"tile_size": 256, "max_image_side": 512, "max_length": 1024}  # in the store
+    big["batches_per_epoch"] = 12  # more than the actors may hold ahead
     for in_flight in (1, 3):
         workers = wdsvlm.RayWorkers(in_flight=in_flight)
         settings = {**SETTINGS, **big, "num_workers": 2}
         loader = wdsvlm.Loader(data, TOKENIZER, workers=workers, **settings)
-        before = store_usage()
+        before = settled(0)  # what earlier loaders held is freed asynchronously
         batches = iter(loader)
         first = next(batches)
         seen = []
