@@ -16,7 +16,8 @@ in the DataLoader's round-robin order: batch ``i`` of an epoch from worker ``i %
   the epoch: the batches after the fault are those of an undisturbed run. A log line names
   the worker; past ``max_restarts`` in one epoch the error names the worker and the cause. An
   error raised inside the stream (bad data past its limits, a missing shard) is raised here
-  as it was raised there, with Ray's remote traceback in its message.
+  as it was raised there, of its type and with its message, from Ray's error that holds the
+  remote traceback.
 - **Clean stop.** The actors are killed when the epoch's batches are taken, when iteration
   stops early, or when the Loader closes or goes.
 """
@@ -70,6 +71,16 @@ def to_tensors(batch: dict, pin: bool = False) -> dict:
                 v = v.pin_memory()
         out[k] = v
     return out
+
+
+def raised_there(error: Any) -> BaseException:
+    """The exception an actor's stream raised (a ``RayTaskError`` wraps it), with its own type
+    and message; Ray's remote traceback is the error it is raised from. One that could not
+    cross from the actor: Ray's error, an instance of the original's type too."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, Exception):
+        return cause
+    return error.as_instanceof_cause()
 
 
 def connect(options: RayWorkers) -> None:
@@ -173,7 +184,7 @@ def ray_batches(
                     batch = ray.get(pending[role][0], timeout=options.get_timeout)
                     break
                 except RayTaskError as e:  # the stream itself raised: as it was raised there
-                    raise e.as_instanceof_cause() from None
+                    raise raised_there(e) from e
                 except (RayActorError, ObjectLostError) as e:
                     restart(role, e)
                 except GetTimeoutError as e:
