@@ -47,9 +47,9 @@ def cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def processes(match) -> list[int]:
-    """Pids of the processes for which ``match(pid, parent_pid, cmdline)`` holds."""
-    found = []
+def process_table() -> dict[int, tuple[int, bytes]]:
+    """Every live process: its pid, and its parent's pid and command line."""
+    table = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -58,26 +58,32 @@ def processes(match) -> list[int]:
             cmdline = open(f"/proc/{name}/cmdline", "rb").read()
         except OSError:
             continue
-        if match(int(name), parent, cmdline):
-            found.append(int(name))
-    return found
+        table[int(name)] = (parent, cmdline)
+    return table
 
 
-def descendants(root: int) -> list[int]:
-    """Every process below ``root`` (DataLoader workers, under a fork server or not)."""
-    tree: dict[int, list[int]] = {}
-    for pid in processes(lambda pid, parent, cmd: True):
-        try:
-            parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        tree.setdefault(parent, []).append(pid)
-    out, todo = [], [root]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+def titled(prefix: bytes):
+    """A ``find`` for ``WorkerClock``: the processes whose command line starts with
+    ``prefix`` (Ray names its actors' and tasks' processes ``ray::...``)."""
+    return lambda: [pid for pid, (_, cmd) in process_table().items() if cmd.startswith(prefix)]
+
+
+def descendants(root: int):
+    """A ``find`` for ``WorkerClock``: every process below ``root`` (DataLoader workers,
+    under a fork server or not)."""
+
+    def find() -> list[int]:
+        tree: dict[int, list[int]] = {}
+        for pid, (parent, _) in process_table().items():
+            tree.setdefault(parent, []).append(pid)
+        out, todo = [], [root]
+        while todo:
+            for child in tree.get(todo.pop(), []):
+                out.append(child)
+                todo.append(child)
+        return out
+
+    return find
 
 
 class WorkerClock:
@@ -88,10 +94,13 @@ class WorkerClock:
         self.find = find
         self.start = {pid: cpu_of(pid) for pid in find()}
         self.seen: dict[int, float] = {}
+        self.own = 0.0  # this process's CPU seconds spent sampling: not the trainer's work
 
     def sample(self) -> None:
+        before = time.process_time()
         for pid in self.find():
             self.seen[pid] = max(self.seen.get(pid, 0.0), cpu_of(pid))
+        self.own += time.process_time() - before
 
     def seconds(self) -> float:
         return sum(cpu - self.start.get(pid, 0.0) for pid, cpu in self.seen.items())
@@ -123,7 +132,7 @@ def consume(batches, clock: WorkerClock | None = None) -> dict:
         "rate": samples / seconds,
         "steady": (samples - samples / max(count, 1) * first_rows) / (seconds - (first or 0)),
         "padding": 1 - tokens / cells if cells else 0.0,
-        "trainer_cpu": time.process_time() - cpu,
+        "trainer_cpu": time.process_time() - cpu - (clock.own if clock is not None else 0.0),
         "keys": keys,
     }
 
@@ -142,10 +151,7 @@ def wdsvlm_run(args, workers, world=1, rank=0, resume_check=False) -> dict:
     }
     loader = wdsvlm.Loader(source, args.tokenizer, **settings)
     me = os.getpid()
-    if workers == "local":
-        clock = WorkerClock(lambda: descendants(me))
-    else:
-        clock = WorkerClock(lambda: processes(lambda p, q, cmd: cmd.startswith(b"ray::RayWorker")))
+    clock = WorkerClock(descendants(me) if workers == "local" else titled(b"ray::RayWorker"))
     found = consume(loader, clock)
     found["worker_cpu"] = clock.seconds()
     found["steps"] = len(loader)
@@ -201,7 +207,7 @@ def ray_data_run(args, world: int) -> list[dict]:
     )
     splits = data.streaming_split(world, equal=True)
     results: list[dict] = [{} for _ in range(world)]
-    workers = WorkerClock(lambda: processes(lambda p, q, cmd: cmd.startswith(b"ray::")))
+    workers = WorkerClock(titled(b"ray::"))
 
     def take(rank: int) -> None:
         batches = splits[rank].iter_torch_batches(
@@ -215,7 +221,8 @@ def ray_data_run(args, world: int) -> list[dict]:
         t.start()
     for t in threads:
         t.join()
-    results[0]["trainer_cpu"] = time.process_time() - cpu  # the driver's threads, all of it
+    # the driver's threads, all of it, but for the sampling
+    results[0]["trainer_cpu"] = time.process_time() - cpu - workers.own
     results[0]["worker_cpu"] = workers.seconds()
     for r in results:
         r["steps"] = r["batches"]

@@ -149,6 +149,19 @@ def run_process(args: list[str], timeout: float, **options) -> subprocess.Comple
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
+def command_lines() -> dict[int, bytes]:
+    """Every live process of this machine: its command line (Ray names its workers
+    ``ray::...``), by pid."""
+    found = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                found[int(name)] = open(f"/proc/{name}/cmdline", "rb").read()
+            except OSError:  # gone meanwhile
+                continue
+    return found
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     """``wdsvlm ARGS`` in this process, as the console script runs it: the exit code, and
     what it printed on stdout and stderr (logged warnings and progress bars included); an

@@ -33,7 +33,7 @@ import ray  # noqa: E402
 import wdsvlm  # noqa: E402
 from wdsvlm.tools.cli import main as cli  # noqa: E402
 
-from .conftest import _serve  # noqa: E402
+from .conftest import _serve, command_lines  # noqa: E402
 
 serve = contextlib.contextmanager(_serve)  # a server on 127.0.0.1 while in the with block
 write_on_ray = functools.partial(wdsvlm.write_dataset, engine="ray")
@@ -186,16 +186,10 @@ def kill_worker(work: str) -> dict:
 
     def hunt():
         while not stop.is_set() and not killed:
-            for pid in os.listdir("/proc"):
-                if not pid.isdigit():
-                    continue
-                try:
-                    title = open(f"/proc/{pid}/cmdline", "rb").read()
-                except OSError:
-                    continue
+            for pid, title in command_lines().items():
                 if title.startswith(b"ray::_run"):  # a worker running a shard write
-                    os.kill(int(pid), signal.SIGKILL)
-                    killed.append(int(pid))
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
                     return
             time.sleep(0.002)
 

@@ -24,6 +24,7 @@ import ray  # noqa: E402
 
 import wdsvlm  # noqa: E402
 
+from .conftest import command_lines  # noqa: E402
 from .ray_job import ray_cluster, ray_session, run_case  # noqa: E402
 from .test_ddp import SETTINGS, TOKENIZER, digest  # noqa: E402
 
@@ -85,15 +86,10 @@ def kill_an_actor() -> int:
     epoch before, being stopped); its pid."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        for pid in sorted(os.listdir("/proc"), key=lambda p: -int(p) if p.isdigit() else 0):
-            if pid.isdigit():
-                try:
-                    title = open(f"/proc/{pid}/cmdline", "rb").read()
-                except OSError:
-                    continue
-                if title.startswith(ACTOR_TITLE):
-                    os.kill(int(pid), signal.SIGKILL)
-                    return int(pid)
+        actors = [pid for pid, title in command_lines().items() if title.startswith(ACTOR_TITLE)]
+        if actors:
+            os.kill(max(actors), signal.SIGKILL)
+            return max(actors)
         time.sleep(0.05)
     raise AssertionError("no Ray worker actor process found to kill")
 

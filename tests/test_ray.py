@@ -20,7 +20,7 @@ from PIL import Image
 import wdsvlm
 from wdsvlm.write.tarindex import index_tars
 
-from .conftest import run_process, write_jsonl
+from .conftest import command_lines, run_process, write_jsonl
 from .test_tarindex import SMALL, TOKENIZER, one_pass, tree_digest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,13 +196,9 @@ def test_ray_leaves_no_process_behind(suite):
 
 
 def assert_no_ray_process() -> None:
-    left = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-            except OSError:
-                continue
-            if b"wdsvlm-ray-" in cmdline or cmdline.startswith(b"ray::"):
-                left.append(cmdline[:120])
+    left = [
+        cmdline[:120]
+        for cmdline in command_lines().values()
+        if b"wdsvlm-ray-" in cmdline or cmdline.startswith(b"ray::")
+    ]
     assert not left, left
