@@ -25,6 +25,7 @@ LAYERS = {
     "testing": 4,
     "loader": 5,
     "tools": 6,
+    "hf": 6,
 }
 MAX_LINES = 400
 

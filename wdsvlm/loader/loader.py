@@ -99,6 +99,11 @@ class Loader:
     def epoch(self) -> int:
         return self._epoch
 
+    @property
+    def batches_done(self) -> int:
+        """The batches of the current epoch taken so far on this rank."""
+        return self._done
+
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next iteration yields. The current epoch keeps its position
         (as after ``load_state_dict``); the next one, once the current is whole, goes on with

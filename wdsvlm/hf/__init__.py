@@ -1,0 +1,7 @@
+"""wdsvlm in the Hugging Face trainers: ``Trainer`` (a ``transformers.Trainer`` that trains on
+``loader=wdsvlm.Loader(...)``) and ``with_loader(TrainerClass)``, the same for any Trainer
+subclass, TRL's ``SFTTrainer`` among them. Importing it imports transformers and torch."""
+
+from .trainer import Trainer, supervised_token_loss, with_loader
+
+__all__ = ["Trainer", "supervised_token_loss", "with_loader"]
