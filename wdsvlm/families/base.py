@@ -11,7 +11,8 @@ packing works on index metadata; at decode time it writes the image's units, uin
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..format.images import image_members
@@ -53,8 +54,10 @@ class Family(Protocol):
     def fingerprint_facts(self) -> list:
         """What decides the tokens beyond the tokenizer (checked when a loader resumes)."""
 
-    def decode(self, sample: dict, out: torch.Tensor) -> None:
-        """Decode a sample's images into ``out``, uint8 ``[sum of costs, 3, S, S]``, in order."""
+    def decode(self, sample: dict, out: torch.Tensor, edit: Edit | None = None) -> None:
+        """Decode a sample's images into ``out``, uint8 ``[sum of costs, 3, S, S]``, in order;
+        ``edit(index, image)``, if given, makes each decoded image (PIL, RGB, as displayed)
+        into the one to resize (of the same size)."""
 
     def constant_fields(self) -> dict:
         """Fields every batch carries: the family's name and pixel table for model_inputs."""
@@ -66,17 +69,25 @@ class Family(Protocol):
         """The forward's pixel arguments from a batch's uint8 units (for model_inputs)."""
 
 
+Edit = Callable[[int, Any], Any]
+"""``edit(index, image)``: the user's ``image_map`` on a sample's decoded image (PIL)."""
+
+
 def decode_each(
     sample: dict,
     out: torch.Tensor,
     cost: Callable[[int, int], int],
-    fill: Callable[[bytes, Sequence[int], torch.Tensor], object],
+    fill: Callable[..., object],
+    edit: Edit | None = None,
 ) -> None:
     """Decode a sample's images, in order, into ``out``: image by image, ``cost(w, h)``
-    units each, written by ``fill(bytes, index size, its slice of out)``, which checks the
-    image against the size in the sample's index entry."""
+    units each, written by ``fill(bytes, index size, its slice of out, edit)``, which checks
+    the image against the size in the sample's index entry and passes the decoded image
+    through ``edit(image)`` (None: as it is)."""
     start = 0
-    for name, size in zip(image_members(sample), sample["__meta__"]["images"], strict=True):
+    names = image_members(sample)
+    for i, (name, size) in enumerate(zip(names, sample["__meta__"]["images"], strict=True)):
         count = cost(*size)
-        fill(sample[name], size, out[start : start + count])
+        one = None if edit is None else functools.partial(edit, i)
+        fill(sample[name], size, out[start : start + count], one)
         start += count

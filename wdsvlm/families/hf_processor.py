@@ -18,7 +18,7 @@ import numpy as np
 
 from ..format.conversation import IMAGE_MARKER
 from ..format.images import open_image
-from .base import decode_each
+from .base import Edit, decode_each
 
 # Image sizes whose costs and token ids stand for a processor's settings in a fingerprint.
 _PROBE_SIZES = [(1, 1), (64, 48), (640, 480), (300, 1700), (1600, 900)]
@@ -124,14 +124,14 @@ class ProcessorFamily:
             [self.image_cost(w, h), self.image_token_ids(w, h).tolist()] for w, h in _PROBE_SIZES
         ]
 
-    def decode(self, sample: dict, out: Any) -> None:
+    def decode(self, sample: dict, out: Any, edit: Edit | None = None) -> None:
         """The sample's images as the family's units, one image after another."""
-        decode_each(
-            sample,
-            out,
-            self.image_cost,
-            lambda data, size, part: self.image_units(open_image(data, size), part),
-        )
+
+        def fill(data: bytes, size: Any, part: Any, one: Any) -> None:
+            image = open_image(data, size)
+            self.image_units(image if one is None else one(image), part)
+
+        decode_each(sample, out, self.image_cost, fill, edit)
 
     def constant_fields(self) -> dict:
         """The family's name, and the pixel table (and affine) ``model_inputs`` normalises

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from ..format.conversation import IMAGE_MARKER
 from ..format.images import open_image
-from .base import decode_each
+from .base import Edit, decode_each
 
 if TYPE_CHECKING:
     import torch
@@ -75,12 +76,15 @@ def image_tiles(
     config: ImageConfig,
     expected_size: tuple[int, int] | None = None,
     out: torch.Tensor | None = None,
+    edit: Callable[[Any], Any] | None = None,
 ) -> torch.Tensor:
     """Decode one image into uint8 tiles ``[n_tiles, 3, tile, tile]`` (thumbnail first).
 
     ``expected_size`` is the displayed size the index recorded; an image of another size is
     refused, since its tile count would not match the tokens already planned for it. ``out``,
     if given, receives the tiles (a slice of a batch's tensor, say) and is returned.
+    ``edit(image)`` makes the decoded image (PIL, as displayed: no draft decode then) into the
+    one to tile.
     Resizing is torch's antialiased bicubic on uint8, which matches Pillow's bicubic to within
     2 levels and runs several times faster.
     """
@@ -93,7 +97,9 @@ def image_tiles(
         shape[:] = tile_grid(width, height, config)
         return shape[0] * tile, shape[1] * tile
 
-    img = open_image(data, expected_size, draft=target)
+    img = open_image(data, expected_size, draft=target if edit is None else None)
+    if edit is not None:
+        img = edit(img)
     cols, rows = shape or tile_grid(*img.size, config)
     with warnings.catch_warnings():  # read-only buffer: nothing below writes to it
         warnings.simplefilter("ignore", UserWarning)
@@ -124,13 +130,16 @@ def _resize(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return interpolate(images, size=(height, width), mode="bicubic", antialias=True)
 
 
-def decode_into(sample: dict, config: ImageConfig, out: torch.Tensor) -> None:
+def decode_into(
+    sample: dict, config: ImageConfig, out: torch.Tensor, edit: Edit | None = None
+) -> None:
     """Decode a sample's images into ``out``: their tiles, one after another."""
     decode_each(
         sample,
         out,
         lambda w, h: tile_count(w, h, config),
-        lambda data, size, part: image_tiles(data, config, size, out=part),
+        lambda data, size, part, one: image_tiles(data, config, size, out=part, edit=one),
+        edit,
     )
 
 
@@ -220,8 +229,8 @@ class TilingFamily:
         """Nothing: the tiling's settings are checked on resume as settings of their own."""
         return []
 
-    def decode(self, sample: dict, out: torch.Tensor) -> None:
-        decode_into(sample, self.config, out)
+    def decode(self, sample: dict, out: torch.Tensor, edit: Edit | None = None) -> None:
+        decode_into(sample, self.config, out, edit)
 
     def constant_fields(self) -> dict:
         return {}

@@ -19,6 +19,7 @@ from ..pipeline.read import ReadSamples
 from ..pipeline.shuffle import Shuffle
 from ..pipeline.stats import SkipStats
 from ..pipeline.tokenize import Tokenize
+from ..pipeline.usermap import ImageMap, SampleMap
 from ..storage.cache import ShardCache
 from .placement import LOCAL
 from .settings import LoaderSettings, resume_config
@@ -90,6 +91,7 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         family=family,
         chat_template=settings.chat_template,
         stats=skips,
+        sample_map=user_step(SampleMap, settings.map, settings),
     )
     # made before sizing the epoch: a fork server starts now, in the background
     options = dataloader_options(settings, tokenize.tokenizer, family)
@@ -124,6 +126,7 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
             pad_token_id,
             family=family,
             stats=skips,
+            image_map=user_step(ImageMap, settings.image_map, settings),
         ),
         skips,
         batches,
@@ -220,3 +223,23 @@ def shards_sha256(plan: Plan) -> str:
     warning) rather than being refused."""
     digests = [[h.get("sha256") for h in s.index["shards"]] for s in plan.sources]
     return hashlib.sha256(json.dumps(digests).encode()).hexdigest()[:16]
+
+
+def user_step(kind: type, fn: Any, settings: LoaderSettings) -> Any:
+    """The user's ``map`` or ``image_map`` as its stage step, checked picklable when
+    DataLoader workers run it (they get it pickled)."""
+    if fn is None:
+        return None
+    if settings.num_workers and settings.workers == LOCAL:
+        import pickle
+
+        try:
+            pickle.dumps(fn)
+        except Exception as e:  # noqa: BLE001 - any pickling failure means the same
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise ValueError(
+                f"{name} cannot be pickled ({type(e).__name__}: {e}), and the DataLoader's "
+                "workers get it pickled: define it at the top level of a module (not a lambda "
+                "or a nested function), or use num_workers=0"
+            ) from None
+    return kind(fn, settings.seed, settings.map_errors)

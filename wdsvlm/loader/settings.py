@@ -80,6 +80,18 @@ class LoaderSettings:
     """A Hugging Face processor (object, or name/path for ``AutoProcessor``) of a supported
     family: its images, tokens and chat template replace the default tiling (checked on
     resume through its fingerprint)."""
+    map: Any = field(default=None, hash=False, compare=False)
+    """Your own step before tokenization: ``map(sample, rng)`` gets the stored record (its
+    ``messages``, ``source``, ...) with ``__key__``, ``__shard__``, ``__images__`` (the image
+    bytes) and ``__meta__`` (the index entry), and returns it, its text changed or not, or
+    None to drop it (counted as ``filtered``). A picklable function; ``rng`` is seeded from
+    (seed, pass, place). Not checked on resume: resume with the same function."""
+    image_map: Any = field(default=None, hash=False, compare=False)
+    """Your own step on each decoded image: ``image_map(pixels, rng)`` gets uint8
+    ``[height, width, 3]`` (RGB, as displayed, before resizing) and returns the same shape."""
+    map_errors: str = "skip"
+    """What an exception in ``map`` or ``image_map`` does: ``"skip"`` the sample (counted as
+    ``map_error``, with its key and the traceback's last line) or ``"raise"``."""
     storage_options: Mapping[str, Any] | None = field(default=None, hash=False)
     """fsspec options for bucket URLs (never saved in a state: they may hold credentials)."""
     read_policy: ReadPolicy | None = None
@@ -134,6 +146,12 @@ class LoaderSettings:
                 raise ValueError(
                     f"{name} must be a whole number of at least {least}, not {value!r}"
                 )
+        for name in ("map", "image_map"):
+            fn = getattr(self, name)
+            if fn is not None and not callable(fn):
+                raise ValueError(f"{name} must be a function, not {type(fn).__name__}")
+        if self.map_errors not in ("skip", "raise"):
+            raise ValueError(f'map_errors must be "skip" or "raise", not {self.map_errors!r}')
         if self.max_tiles_per_batch is not None and self.max_tiles_per_batch < self.batch_size:
             raise ValueError(
                 f"max_tiles_per_batch ({self.max_tiles_per_batch}) must be at least "

@@ -21,6 +21,7 @@ from ..format.images import UnreadableImage
 from .images import uint8_tiles
 from .stats import SkipStats
 from .tokenize import IGNORE_INDEX
+from .usermap import ImageMap, MapFailed
 
 
 class Collate:
@@ -29,6 +30,8 @@ class Collate:
     Each pack is a list of tokenized samples (``input_ids``, ``labels``, ``image_tiles``, and
     ``pixel_values`` or image members still to decode). A sample whose image fails to decode
     here is left out of its row (counted as ``undecodable_image``); the row pads instead.
+    ``image_map`` (``usermap.ImageMap``, the Loader's ``image_map=``) edits each image once
+    decoded, before the family resizes it; a sample it fails on is left out as ``map_error``.
 
     Images become the ``family``'s uint8 units (without one, the default tiling with
     ``image_config``) and the batch gets the family's fields: for a processor's family its
@@ -45,8 +48,10 @@ class Collate:
         image_config: ImageConfig | None = None,
         family: Family | None = None,
         stats: SkipStats | None = None,
+        image_map: ImageMap | None = None,
     ):
         self.family = family or TilingFamily(image_config)
+        self.image_map = image_map
         self._constant_fields = self.family.constant_fields()  # made once, in every batch
         self.max_length = max_length
         self.batch_size = batch_size
@@ -68,6 +73,9 @@ class Collate:
                 except UnreadableImage as e:
                     self.stats.skip("collate", "undecodable_image", sample, str(e))
                     failed.append((sample, start, n))
+                except MapFailed as e:
+                    self.stats.skip("collate", "map_error", sample, str(e))
+                    failed.append((sample, start, n))
             start += n
         if failed:  # rare: leave the failed samples out, their rows pad instead
             pixels = _without(pixels, [(a, n) for _, a, n in failed])
@@ -81,8 +89,10 @@ class Collate:
     def _fill(self, sample: dict, out: torch.Tensor) -> None:
         if "pixel_values" in sample:
             out.copy_(torch.as_tensor(sample["pixel_values"]))
-        else:  # decoded straight into the batch's tensor
+        elif self.image_map is None:  # decoded straight into the batch's tensor
             self.family.decode(sample, out)
+        else:
+            self.family.decode(sample, out, self.image_map.for_sample(sample))
 
 
 def _without(pixels: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:

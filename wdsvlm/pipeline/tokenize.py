@@ -31,6 +31,7 @@ from ..format.images import UnreadableImage, UnusableImage, image_members, image
 from .labels import answer_ranges, marked
 from .places import Fetch, Place, StageRun, copied, places_of, present
 from .stats import SkipStats
+from .usermap import SampleMap
 
 IGNORE_INDEX = -100
 CHATML_TEMPLATE = (
@@ -77,6 +78,8 @@ class Tokenize:
     lacks is added to a copy of the tokenizer; resize the model's embeddings to
     ``len(stage.tokenizer)``). Every sample also gets ``image_at``: where each image's tokens
     start.
+    ``sample_map`` (``usermap.SampleMap``, the Loader's ``map=``) runs on each sample's
+    record first; what it drops is counted as ``filtered``, what it fails on as ``map_error``.
     Skips, counted: ``invalid_json``, ``image_count_mismatch``, ``template_error`` (the
     template refused the conversation), ``template_mismatch`` (an answer is not rendered
     verbatim, so its labels cannot be found). A template that does not compile is refused
@@ -94,6 +97,7 @@ class Tokenize:
         chat_template: str | None = None,
         batch_size: int = 32,
         stats: SkipStats | None = None,
+        sample_map: SampleMap | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size ({batch_size}) must be positive")
@@ -118,6 +122,7 @@ class Tokenize:
         self.chat_template = template
         self.batch_size = batch_size
         self.stats = stats if stats is not None else SkipStats()
+        self.sample_map = sample_map
         # Special tokens longest first: the end-of-turn token is the one right after an answer.
         self._specials = sorted(set(tok.all_special_tokens), key=len, reverse=True)
         check_template(tok, template, family.chat_messages(_PROBE))
@@ -200,7 +205,12 @@ class Tokenize:
         self, sample: dict, stats: SkipStats
     ) -> tuple[str, list[tuple[int, int]], list[int]] | None:
         try:
-            messages = json.loads(sample["json"])["messages"]
+            record = json.loads(sample["json"])
+            if self.sample_map is not None:
+                record = self.sample_map(record, sample, stats)
+                if record is None:  # dropped or skipped, and counted
+                    return None
+            messages = record["messages"]
             messages = [{"role": m["role"], "content": m["content"]} for m in messages]
             if not all(isinstance(m["content"], str) for m in messages):
                 raise TypeError("message content must be a string")
