@@ -167,6 +167,13 @@ def check_settings(trainer: Any) -> None:
     for setting, why in refused.items():
         if getattr(args, setting, False):
             raise ValueError(f"{name}: {setting}=True cannot be used with loader= ({why})")
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy not in ("random", "sequential"):
+        raise ValueError(
+            f"{name}: train_sampling_strategy={strategy!r} cannot be used with loader= (the "
+            "Loader orders and packs the samples itself; a sampler over lengths has nothing to "
+            "sample)"
+        )
     if not args.average_tokens_across_devices:
         raise ValueError(
             f"{name}: average_tokens_across_devices=False cannot be used with loader= (the loss "

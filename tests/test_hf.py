@@ -1,0 +1,226 @@
+"""wdsvlm.hf: the Hugging Face Trainer and TRL's SFTTrainer on a Loader, under torchrun with 2
+ranks (tests/hf_job.py), and the documented Accelerate loop; the settings it refuses; the
+weights and Loader states its checkpoints hold."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+import transformers
+
+import wdsvlm
+import wdsvlm.hf
+from wdsvlm.errors import WdsvlmError
+from wdsvlm.testing.tiny import tiny_model, tiny_processor
+
+from .conftest import REPO, run_process
+
+DATA = os.path.join(REPO, "shards_example")
+CASES = ("trainer-qwen2_5_vl", "trainer-smolvlm", "sft-qwen2_5_vl", "sft-smolvlm")
+
+
+def torchrun(out, phase: str) -> None:
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "torchrun"),
+        "--standalone",
+        "--nproc_per_node=2",
+        os.path.join(REPO, "tests", "hf_job.py"),
+        str(out),
+        phase,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    run = run_process(command, timeout=420, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case's reports: {case: {phase: [rank 0's, rank 1's]}}."""
+    out = tmp_path_factory.mktemp("hf")
+    torchrun(out, "whole")
+    torchrun(out, "resumed")
+    reports = {}
+    for case in CASES:
+        reports[case] = {
+            phase: [json.load(open(out / case / f"{phase}-{rank}.json")) for rank in (0, 1)]
+            for phase in ("whole", "resumed")
+        }
+    return reports
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", CASES)
+def test_a_run_resumed_from_its_checkpoint_takes_the_same_samples_with_the_same_losses(runs, case):
+    for rank in (0, 1):
+        whole, resumed = runs[case]["whole"][rank], runs[case]["resumed"][rank]
+        accumulation = whole["accumulation"]
+        assert len(whole["keys"]) == 6 * accumulation  # one optimizer step per accumulation
+        # no batch replayed or skipped: the resumed run's are the uninterrupted run's 4-6
+        assert resumed["keys"] == whole["keys"][3 * accumulation :]
+        assert sorted(resumed["losses"]) == ["1", "2", "3", "4", "5", "6"]
+        for step in ("4", "5", "6"):
+            assert abs(resumed["losses"][step] - whole["losses"][step]) <= 1e-6
+        assert all(math.isfinite(x) for x in whole["losses"].values())
+        assert whole["losses"]["6"] < whole["losses"]["1"]  # it learns
+    # each rank took its own batches from its Loader: Accelerate did not re-shard them
+    ranks = [
+        {k for row_keys in r["keys"] for row in row_keys for k in row} for r in runs[case]["whole"]
+    ]
+    assert ranks[0] and ranks[1] and not ranks[0] & ranks[1]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", CASES)
+def test_the_loss_of_a_step_is_the_mean_over_every_supervised_token_of_both_ranks(runs, case):
+    """Computed by hand over both ranks' batches of step 1 (2 accumulated batches each for the
+    Qwen cases): a loss averaged per rank or per batch would differ by about 1e-3."""
+    for rank in (0, 1):
+        whole = runs[case]["whole"][rank]
+        assert math.isclose(whole["losses"]["1"], whole["by_hand"], rel_tol=1e-5)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(420)
+def test_the_accelerate_loop_trains_each_rank_on_its_own_batches(tmp_path):
+    torchrun(tmp_path, "accelerate")
+    reports = [json.load(open(tmp_path / f"accelerate-{rank}.json")) for rank in (0, 1)]
+    assert reports[0]["weights"] == reports[1]["weights"]  # DDP kept the ranks in step
+    assert reports[0]["losses"] == reports[1]["losses"]  # the loss over both ranks' tokens
+    assert len(reports[0]["losses"]) == 4 and reports[0]["losses"][-1] < reports[0]["losses"][0]
+    keys = [{k for rows in r["keys"] for row in rows for k in row} for r in reports]
+    assert keys[0] and keys[1] and not keys[0] & keys[1]
+
+
+# --- one process -------------------------------------------------------------------------
+
+
+def arguments(tmp_path, **change) -> transformers.TrainingArguments:
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="no",
+    )
+    return transformers.TrainingArguments(**{**settings, **change})
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    processor = tiny_processor("qwen2_5_vl")
+    loader = wdsvlm.Loader(DATA, processor=processor, max_length=1024, batch_size=2)
+    return processor, loader
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"dataloader_drop_last": True}, "dataloader_drop_last=True cannot be used"),
+        (
+            {"train_sampling_strategy": "group_by_length"},
+            "train_sampling_strategy='group_by_length' cannot be used",
+        ),
+        ({"average_tokens_across_devices": False}, "average_tokens_across_devices=False"),
+        ({"label_smoothing_factor": 0.1}, "label_smoothing_factor cannot be used"),
+    ],
+)
+def test_settings_that_cannot_work_with_packed_batches_are_refused(qwen, tmp_path, change, message):
+    processor, loader = qwen
+    model = tiny_model("qwen2_5_vl", processor)
+    with pytest.raises(ValueError, match=message):
+        wdsvlm.hf.Trainer(model=model, args=arguments(tmp_path, **change), loader=loader)
+
+
+def test_a_dataset_or_collator_passed_with_the_loader_is_refused(qwen, tmp_path):
+    processor, loader = qwen
+    model = tiny_model("qwen2_5_vl", processor)
+    for key in ("train_dataset", "data_collator"):
+        with pytest.raises(TypeError, match=f"{key} cannot be passed with loader="):
+            wdsvlm.hf.Trainer(model=model, args=arguments(tmp_path), loader=loader, **{key: [1]})
+    with pytest.raises(TypeError, match="needs loader="):
+        wdsvlm.hf.Trainer(model=model, args=arguments(tmp_path))
+    with pytest.raises(TypeError, match="takes a transformers.Trainer class"):
+        wdsvlm.hf.with_loader(dict)
+
+
+def test_an_attention_that_cannot_keep_packed_samples_apart_is_refused(qwen, tmp_path):
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("wdsvlm_test_attention", sdpa_attention_forward)
+    processor, loader = qwen
+    model = tiny_model("qwen2_5_vl", processor)
+    model.set_attn_implementation("wdsvlm_test_attention")
+    with pytest.raises(ValueError, match="'wdsvlm_test_attention' builds no attention mask"):
+        wdsvlm.hf.Trainer(model=model, args=arguments(tmp_path), loader=loader)
+
+
+def test_a_checkpoint_restores_the_weights_under_their_current_names(qwen, tmp_path):
+    """transformers saves Qwen2.5-VL's text weights under their old names and its Trainer
+    loads them back unconverted, leaving them as they were: wdsvlm.hf maps them back."""
+    processor, loader = qwen
+    model = tiny_model("qwen2_5_vl", processor, seed=1)
+    args = arguments(tmp_path, save_strategy="steps", save_steps=2, learning_rate=1e-2)
+    wdsvlm.hf.Trainer(model=model, args=args, loader=loader).train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / "loader_states" / "rank-00000-of-00001.json").is_file()
+    fresh = tiny_model("qwen2_5_vl", processor, seed=2)
+    trainer = wdsvlm.hf.Trainer(model=fresh, args=arguments(tmp_path), loader=loader)
+    trainer._load_from_checkpoint(str(checkpoint))
+    trained = model.state_dict()
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+
+
+def test_a_checkpoint_without_loader_states_is_refused_naming_it(qwen, tmp_path):
+    processor, loader = qwen
+    model = tiny_model("qwen2_5_vl", processor)
+    folder = tmp_path / "checkpoint-5"
+    folder.mkdir()
+    trainer = wdsvlm.hf.Trainer(model=model, args=arguments(tmp_path), loader=loader)
+    with pytest.raises(WdsvlmError, match="checkpoint-5 holds no Loader state"):
+        trainer.train(resume_from_checkpoint=str(folder))
+
+
+class TilingModel(torch.nn.Module):
+    """A model of the default tiling: it takes the batch's fields by name."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, 16)
+        self.pixels = torch.nn.Linear(3, 16)
+        self.head = torch.nn.Linear(16, vocab)
+
+    def forward(self, input_ids, labels=None, position_ids=None, pixel_values=None):
+        hidden = self.embed(input_ids)
+        if pixel_values is not None and len(pixel_values):
+            hidden = hidden + self.pixels(pixel_values.float().mean((2, 3))).mean(0)
+        return transformers.modeling_outputs.CausalLMOutput(logits=self.head(hidden))
+
+
+def test_a_default_tiling_loader_feeds_its_own_model_by_field_name(tmp_path):
+    loader = wdsvlm.Loader(
+        DATA,
+        os.path.join(DATA, "tokenizer"),
+        max_length=512,
+        batch_size=2,
+        tile_size=64,
+        max_image_side=128,
+        tokens_per_tile=4,
+    )
+    model = TilingModel(len(loader.tokenizer))
+    trainer = wdsvlm.hf.Trainer(
+        model=model, args=arguments(tmp_path, logging_steps=1), loader=loader
+    )
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert loader.batches_done == 2 and len(trainer.get_train_dataloader()) == len(loader)
