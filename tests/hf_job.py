@@ -6,9 +6,9 @@ PHASE "whole": for each case (a trainer class and a model family) a tiny random 
 optimizer steps on shards_example with wdsvlm.hf, saving a checkpoint at step 3; the loss of
 step 1 is also computed by hand over both ranks' first batches. PHASE "resumed": each case
 resumes from its checkpoint-3 and trains steps 4-6. Each rank writes OUT/CASE/PHASE-RANK.json:
-the loss of every step and the sample keys of every batch it took. PHASE "accelerate": the
-documented Accelerate loop (scripts/train_accelerate.py's), each rank's batches and its final
-weights' digest.
+the loss of every step and the samples (key and pass) of every batch it took. PHASE
+"accelerate": the documented Accelerate loop (scripts/train_accelerate.py's), each rank's
+batches and its final weights' digest.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ CASES = {
 
 
 class RecordingLoader(wdsvlm.Loader):
-    """A Loader that notes the sample keys of each batch it yields."""
+    """A Loader that notes each batch's samples as it yields it: rows of ``"KEY@PASS"``."""
 
     def __iter__(self):
         self.taken = getattr(self, "taken", [])
         for batch in super().__iter__():
-            self.taken.append(batch["sample_keys"])
+            rows = zip(batch["sample_keys"], batch["sample_passes"], strict=True)
+            self.taken.append([[f"{k}@{p}" for k, p in zip(*row, strict=True)] for row in rows])
             yield batch
 
 

@@ -68,7 +68,8 @@ def test_a_run_resumed_from_its_checkpoint_takes_the_same_samples_with_the_same_
             assert abs(resumed["losses"][step] - whole["losses"][step]) <= 1e-6
         assert all(math.isfinite(x) for x in whole["losses"].values())
         assert whole["losses"]["6"] < whole["losses"]["1"]  # it learns
-    # each rank took its own batches from its Loader: Accelerate did not re-shard them
+    # each rank took its own samples from its Loader (a sample once per pass over both ranks):
+    # Accelerate did not re-shard them
     ranks = [
         {k for row_keys in r["keys"] for row in row_keys for k in row} for r in runs[case]["whole"]
     ]
