@@ -3,10 +3,12 @@
     torchrun --standalone --nproc_per_node=2 tests/hf_job.py OUT PHASE
 
 PHASE "whole": for each case (a trainer class and a model family) a tiny random model trains 6
-optimizer steps on shards_example with wdsvlm.hf, saving a checkpoint at step 3; the loss of
-step 1 is also computed by hand over both ranks' first batches. PHASE "resumed": each case
-resumes from its checkpoint-3 and trains steps 4-6. Each rank writes OUT/CASE/PHASE-RANK.json:
-the loss of every step and the samples (key and pass) of every batch it took. PHASE
+optimizer steps (8 in the first case, into epoch 1) on shards_example with wdsvlm.hf, saving a
+checkpoint every 3 steps; the loss of step 1 is also computed by hand over both ranks' first
+batches. PHASE "resumed": each case resumes from its checkpoint-3 (the first also from
+checkpoint-6, at the end of epoch 0) and trains the remaining steps. Each rank writes
+OUT/CASE/{whole,from-STEP}-RANK.json: the loss of every step and the samples (key and pass) of
+every batch it took. PHASE
 "accelerate": the documented Accelerate loop (scripts/train_accelerate.py's), each rank's
 batches and its final weights' digest.
 """
@@ -30,11 +32,12 @@ from wdsvlm.testing.tiny import tiny_model, tiny_processor
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "shards_example")
 CASES = {
-    # name: (trainer, family, gradient accumulation, DataLoader workers)
-    "trainer-qwen2_5_vl": ("trainer", "qwen2_5_vl", 2, 1),
-    "trainer-smolvlm": ("trainer", "smolvlm", 1, 0),
-    "sft-qwen2_5_vl": ("sft", "qwen2_5_vl", 2, 0),
-    "sft-smolvlm": ("sft", "smolvlm", 1, 0),
+    # name: (trainer, family, gradient accumulation, DataLoader workers, steps, resumed from)
+    # (the first: 8 steps of 2 batches cross the end of epoch 0, 12 batches, at step 6)
+    "trainer-qwen2_5_vl": ("trainer", "qwen2_5_vl", 2, 1, 8, (3, 6)),
+    "trainer-smolvlm": ("trainer", "smolvlm", 1, 0, 6, (3,)),
+    "sft-qwen2_5_vl": ("sft", "qwen2_5_vl", 2, 0, 6, (3,)),
+    "sft-smolvlm": ("sft", "smolvlm", 1, 0, 6, (3,)),
 }
 
 
@@ -55,10 +58,10 @@ def make_loader(family: str, workers: int, cls=RecordingLoader):
     return processor, loader
 
 
-def make_trainer(kind: str, model, loader, out: str, accumulation: int):
+def make_trainer(kind: str, model, loader, out: str, accumulation: int, steps: int):
     settings = dict(
         output_dir=out,
-        max_steps=6,
+        max_steps=steps,
         save_steps=3,
         logging_steps=1,
         gradient_accumulation_steps=accumulation,
@@ -99,21 +102,26 @@ def loss_by_hand(model, family: str, workers: int, accumulation: int) -> float:
     return float(total[0] / total[1])
 
 
-def run_case(name: str, phase: str, out: str) -> dict:
-    kind, family, accumulation, workers = CASES[name]
+def run_case(name: str, out: str, resume_at: int | None = None) -> dict:
+    """One run of the case: from the start into OUT/CASE/whole, or resumed from that run's
+    checkpoint at step ``resume_at`` into OUT/CASE/from-STEP."""
+    kind, family, accumulation, workers, steps, _ = CASES[name]
     folder = os.path.join(out, name)
     processor, loader = make_loader(family, workers)
     torch.manual_seed(0)
     model = tiny_model(family, processor)
-    report = {}
-    if phase == "whole":
+    report = {"accumulation": accumulation, "steps": steps}
+    if resume_at is None:
         report["by_hand"] = loss_by_hand(model, family, workers, accumulation)
-    trainer = make_trainer(kind, model, loader, folder, accumulation)
-    resume = os.path.join(folder, "checkpoint-3") if phase == "resumed" else None
-    trainer.train(resume_from_checkpoint=resume)
+        trainer = make_trainer(kind, model, loader, f"{folder}/whole", accumulation, steps)
+        trainer.train()
+    else:
+        at = f"{folder}/from-{resume_at}"
+        trainer = make_trainer(kind, model, loader, at, accumulation, steps)
+        trainer.train(resume_from_checkpoint=f"{folder}/whole/checkpoint-{resume_at}")
     report["losses"] = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     report["keys"] = loader.taken
-    report["accumulation"] = accumulation
+    report["epochs"] = trainer.state.epoch
     loader.close()
     return report
 
@@ -135,10 +143,12 @@ def main() -> None:
         with open(os.path.join(out, f"accelerate-{rank}.json"), "w") as f:
             json.dump(report, f)
         return
-    for name in CASES:
-        report = run_case(name, phase, out)
-        with open(os.path.join(out, name, f"{phase}-{rank}.json"), "w") as f:
-            json.dump(report, f)
+    for name, case in CASES.items():
+        for resume_at in (None,) if phase == "whole" else case[-1]:
+            report = run_case(name, out, resume_at)
+            label = "whole" if resume_at is None else f"from-{resume_at}"
+            with open(os.path.join(out, name, f"{label}-{rank}.json"), "w") as f:
+                json.dump(report, f)
     dist.barrier()
     dist.destroy_process_group()
 

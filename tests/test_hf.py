@@ -21,7 +21,12 @@ from wdsvlm.testing.tiny import tiny_model, tiny_processor
 from .conftest import REPO, run_process
 
 DATA = os.path.join(REPO, "shards_example")
-CASES = ("trainer-qwen2_5_vl", "trainer-smolvlm", "sft-qwen2_5_vl", "sft-smolvlm")
+CASES = {  # the case: the steps it resumes from (tests/hf_job.py)
+    "trainer-qwen2_5_vl": (3, 6),
+    "trainer-smolvlm": (3,),
+    "sft-qwen2_5_vl": (3,),
+    "sft-smolvlm": (3,),
+}
 
 
 def torchrun(out, phase: str) -> None:
@@ -40,34 +45,41 @@ def torchrun(out, phase: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every case's reports: {case: {phase: [rank 0's, rank 1's]}}."""
+    """Every case's reports: {case: {"whole" or STEP resumed from: [rank 0's, rank 1's]}}."""
     out = tmp_path_factory.mktemp("hf")
     torchrun(out, "whole")
     torchrun(out, "resumed")
     reports = {}
-    for case in CASES:
+    for case, resumed in CASES.items():
         reports[case] = {
-            phase: [json.load(open(out / case / f"{phase}-{rank}.json")) for rank in (0, 1)]
-            for phase in ("whole", "resumed")
+            label: [json.load(open(out / case / f"{name}-{rank}.json")) for rank in (0, 1)]
+            for label, name in [("whole", "whole")] + [(at, f"from-{at}") for at in resumed]
         }
     return reports
 
 
 @pytest.mark.processes
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", list(CASES))
 def test_a_run_resumed_from_its_checkpoint_takes_the_same_samples_with_the_same_losses(runs, case):
     for rank in (0, 1):
-        whole, resumed = runs[case]["whole"][rank], runs[case]["resumed"][rank]
-        accumulation = whole["accumulation"]
-        assert len(whole["keys"]) == 6 * accumulation  # one optimizer step per accumulation
-        # no batch replayed or skipped: the resumed run's are the uninterrupted run's 4-6
-        assert resumed["keys"] == whole["keys"][3 * accumulation :]
-        assert sorted(resumed["losses"]) == ["1", "2", "3", "4", "5", "6"]
-        for step in ("4", "5", "6"):
-            assert abs(resumed["losses"][step] - whole["losses"][step]) <= 1e-6
+        whole = runs[case]["whole"][rank]
+        accumulation, steps = whole["accumulation"], whole["steps"]
+        # one optimizer step per accumulated batches
+        assert len(whole["keys"]) == steps * accumulation
+        assert sorted(whole["losses"], key=int) == [str(s) for s in range(1, steps + 1)]
         assert all(math.isfinite(x) for x in whole["losses"].values())
-        assert whole["losses"]["6"] < whole["losses"]["1"]  # it learns
+        assert whole["losses"][str(steps)] < whole["losses"]["1"]  # it learns
+        if case == "trainer-qwen2_5_vl":  # into epoch 1, resumed also at the end of epoch 0
+            assert whole["epochs"] > 1 and 6 in CASES[case]
+        for at in CASES[case]:
+            resumed = runs[case][at][rank]
+            # no batch replayed or skipped: the resumed run's are the uninterrupted run's
+            assert resumed["keys"] == whole["keys"][at * accumulation :]
+            assert sorted(resumed["losses"]) == sorted(whole["losses"])
+            for step in range(at + 1, steps + 1):
+                assert abs(resumed["losses"][str(step)] - whole["losses"][str(step)]) <= 1e-6
+            assert resumed["epochs"] == whole["epochs"]
     # each rank took its own samples from its Loader (a sample once per pass over both ranks):
     # Accelerate did not re-shard them
     ranks = [
@@ -78,7 +90,7 @@ def test_a_run_resumed_from_its_checkpoint_takes_the_same_samples_with_the_same_
 
 @pytest.mark.processes
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", list(CASES))
 def test_the_loss_of_a_step_is_the_mean_over_every_supervised_token_of_both_ranks(runs, case):
     """Computed by hand over both ranks' batches of step 1 (2 accumulated batches each for the
     Qwen cases): a loss averaged per rank or per batch would differ by about 1e-3."""
@@ -130,6 +142,8 @@ def qwen():
             "train_sampling_strategy='group_by_length' cannot be used",
         ),
         ({"average_tokens_across_devices": False}, "average_tokens_across_devices=False"),
+        ({"dataloader_num_workers": 2}, r"set wdsvlm.Loader\(num_workers=...\) instead"),
+        ({"ignore_data_skip": True}, "ignore_data_skip=True cannot be used"),
         ({"label_smoothing_factor": 0.1}, "label_smoothing_factor cannot be used"),
     ],
 )

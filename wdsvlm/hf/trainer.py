@@ -167,6 +167,24 @@ def check_settings(trainer: Any) -> None:
     for setting, why in refused.items():
         if getattr(args, setting, False):
             raise ValueError(f"{name}: {setting}=True cannot be used with loader= ({why})")
+    loader_settings = {  # the DataLoader's settings: the Loader has its own
+        "dataloader_num_workers": ("num_workers", 0),
+        "dataloader_persistent_workers": ("persistent_workers", False),
+        "dataloader_prefetch_factor": ("prefetch_factor", None),
+    }
+    for setting, (own, default) in loader_settings.items():
+        value = getattr(args, setting, default)
+        if value != default:
+            raise ValueError(
+                f"{name}: {setting}={value!r} would be ignored with loader= (the Trainer "
+                f"builds no DataLoader): set wdsvlm.Loader({own}=...) instead"
+            )
+    if args.ignore_data_skip:
+        raise ValueError(
+            f"{name}: ignore_data_skip=True cannot be used with loader= (a resumed Loader "
+            "stands where the checkpoint left it and skips nothing; the Trainer would count "
+            "the resumed epoch from its start)"
+        )
     strategy = getattr(args, "train_sampling_strategy", "random")
     if strategy not in ("random", "sequential"):
         raise ValueError(

@@ -10,7 +10,7 @@ stage takes a held sample again, and other numbers in the next pass.
 
 from __future__ import annotations
 
-import json
+import copy
 import traceback
 import zlib
 from collections.abc import Callable
@@ -78,7 +78,7 @@ class SampleMap:
             __key__=sample.get("__key__"),
             __shard__=sample.get("__shard__"),
             __images__=[sample[name] for name in image_members(sample)],
-            __meta__=sample.get("__meta__", {}),
+            __meta__=copy.deepcopy(sample.get("__meta__", {})),  # the plan's own stays as is
         )
         if "__source__" in sample:
             view["__source__"] = sample["__source__"]
@@ -140,8 +140,3 @@ class ImageMap:
             return Image.fromarray(out, "RGB")
 
         return edit
-
-
-def parse_record(sample: dict) -> dict:
-    """The sample's stored JSON record."""
-    return json.loads(sample["json"])
