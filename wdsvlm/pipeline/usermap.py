@@ -55,7 +55,33 @@ def failure(kind: str, fn: Callable, e: BaseException, sample: dict) -> str:
     return f"{kind} {name} raised on {where(sample)}: {type(e).__name__}: {e}{at}"
 
 
-class SampleMap:
+class UserStep:
+    """The user's function ``fn`` with the loader's ``seed`` and what its exceptions do."""
+
+    kind = "map"
+
+    def __init__(self, fn: Callable, seed: int, errors: str = "skip"):
+        if errors not in MAP_ERRORS:
+            raise ValueError(f"map_errors must be one of {MAP_ERRORS}, not {errors!r}")
+        self.fn, self.seed, self.errors = fn, seed, errors
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {getattr(self.fn, '__qualname__', repr(self.fn))}"
+
+    def run(self, sample: dict, *args: Any) -> Any:
+        """``fn(*args)`` on ``sample``'s behalf; an exception becomes ``MapFailed`` (to skip
+        the sample) or, with ``map_errors="raise"``, a ``WdsvlmError``; both name it."""
+        try:
+            return self.fn(*args)
+        except Exception as e:  # noqa: BLE001 - the user's code: skipped or raised as asked
+            detail = failure(self.kind, self.fn, e, sample)
+            if self.errors == "raise":
+                raise WdsvlmError(detail) from e
+            raise MapFailed(detail) from e
+
+
+class SampleMap(UserStep):
     """``map=fn``: ``fn(sample, rng)`` on each sample before it is tokenized.
 
     ``sample`` is the stored JSON record (``messages`` and whatever else it holds, such as
@@ -65,11 +91,6 @@ class SampleMap:
     ``messages`` are tokenized) or None to drop it (counted as ``filtered``). An exception
     skips the sample as ``map_error`` (``map_errors="skip"``) or stops the run (``"raise"``).
     """
-
-    def __init__(self, fn: Callable, seed: int, errors: str = "skip"):
-        if errors not in MAP_ERRORS:
-            raise ValueError(f"map_errors must be one of {MAP_ERRORS}, not {errors!r}")
-        self.fn, self.seed, self.errors = fn, seed, errors
 
     def __call__(self, record: dict, sample: dict, stats: SkipStats) -> dict | None:
         """The record to tokenize, or None if it is dropped or skipped (counted in ``stats``)."""
@@ -82,38 +103,30 @@ class SampleMap:
         )
         if "__source__" in sample:
             view["__source__"] = sample["__source__"]
-        rng = rng_for(self.seed, sample, _SAMPLE)
         try:
-            out = self.fn(view, rng)
-        except Exception as e:  # noqa: BLE001 - the user's code: skipped or raised as asked
-            detail = failure("map", self.fn, e, sample)
-            if self.errors == "raise":
-                raise WdsvlmError(detail) from e
-            stats.skip("tokenize", "map_error", sample, detail)
+            out = self.run(sample, view, rng_for(self.seed, sample, _SAMPLE))
+        except MapFailed as e:
+            stats.skip("tokenize", "map_error", sample, str(e))
             return None
         if out is None:
             stats.skip("tokenize", "filtered", sample, "map returned None", streak=False)
             return None
         if not isinstance(out, dict) or "messages" not in out:
             raise WdsvlmError(
-                f"map {getattr(self.fn, '__qualname__', self.fn)} returned "
-                f"{type(out).__name__} for {where(sample)}: it must return the sample (a dict "
-                "with its messages) or None to drop it"
+                f"{self.name} returned {type(out).__name__} for {where(sample)}: it must "
+                "return the sample (a dict with its messages) or None to drop it"
             )
         return out
 
 
-class ImageMap:
+class ImageMap(UserStep):
     """``image_map=fn``: ``fn(pixels, rng)`` on each image once decoded, before the family
     resizes and tiles it: ``pixels`` is a writable uint8 array ``[height, width, 3]`` (RGB,
     as displayed); ``fn`` returns an array of the same shape (the image's tokens were planned
     from its size: another size is an error naming the sample). An exception skips the sample
     as ``map_error`` (its row pads instead) or stops the run, as ``map_errors`` says."""
 
-    def __init__(self, fn: Callable, seed: int, errors: str = "skip"):
-        if errors not in MAP_ERRORS:
-            raise ValueError(f"map_errors must be one of {MAP_ERRORS}, not {errors!r}")
-        self.fn, self.seed, self.errors = fn, seed, errors
+    kind = "image_map"
 
     def for_sample(self, sample: dict) -> Callable[[int, Any], Any]:
         """``edit(index, image)``: a PIL image to the PIL image ``fn`` makes of it."""
@@ -121,21 +134,12 @@ class ImageMap:
 
         def edit(index: int, image: Any) -> Any:
             pixels = np.array(image, dtype=np.uint8)  # a writable copy
-            rng = rng_for(self.seed, sample, _IMAGE, index)
-            try:
-                out = self.fn(pixels, rng)
-            except Exception as e:  # noqa: BLE001 - the user's code: skipped or raised as asked
-                detail = failure("image_map", self.fn, e, sample)
-                if self.errors == "raise":
-                    raise WdsvlmError(detail) from e
-                raise MapFailed(detail) from e
-            out = np.asarray(out)
+            out = np.asarray(self.run(sample, pixels, rng_for(self.seed, sample, _IMAGE, index)))
             if out.shape != pixels.shape or out.dtype != np.uint8:
                 raise WdsvlmError(
-                    f"image_map {getattr(self.fn, '__qualname__', self.fn)} made image {index} "
-                    f"of {where(sample)} {out.dtype} {tuple(out.shape)} from uint8 "
-                    f"{tuple(pixels.shape)}: it must keep the size and dtype (the image's "
-                    "tokens were planned from its size)"
+                    f"{self.name} made image {index} of {where(sample)} {out.dtype} "
+                    f"{tuple(out.shape)} from uint8 {tuple(pixels.shape)}: it must keep the size "
+                    "and dtype (the image's tokens were planned from its size)"
                 )
             return Image.fromarray(out, "RGB")
 
