@@ -127,10 +127,16 @@ def arguments(tmp_path, **change) -> transformers.TrainingArguments:
 
 
 @pytest.fixture(scope="module")
-def qwen():
-    processor = tiny_processor("qwen2_5_vl")
-    loader = wdsvlm.Loader(DATA, processor=processor, max_length=1024, batch_size=2)
-    return processor, loader
+def qwen_processor():
+    return tiny_processor("qwen2_5_vl")
+
+
+@pytest.fixture
+def qwen(qwen_processor):
+    """A processor and a fresh Loader over it."""
+    loader = wdsvlm.Loader(DATA, processor=qwen_processor, max_length=1024, batch_size=2)
+    yield qwen_processor, loader
+    loader.close()
 
 
 @pytest.mark.parametrize(
@@ -239,3 +245,17 @@ def test_a_default_tiling_loader_feeds_its_own_model_by_field_name(tmp_path):
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     assert loader.batches_done == 2 and len(trainer.get_train_dataloader()) == len(loader)
+
+
+def test_a_loader_not_where_the_trainer_starts_is_refused_naming_both(qwen, tmp_path):
+    """The Trainer counts where it resumes from its steps: with another gradient accumulation
+    it would start elsewhere than the Loader's state stands, so nothing is trained."""
+    processor, loader = qwen
+    args = arguments(tmp_path, save_strategy="steps", save_steps=2)
+    wdsvlm.hf.Trainer(model=tiny_model("qwen2_5_vl", processor), args=args, loader=loader).train()
+    other = arguments(tmp_path, max_steps=3, gradient_accumulation_steps=2)
+    trainer = wdsvlm.hf.Trainer(
+        model=tiny_model("qwen2_5_vl", processor), args=other, loader=loader
+    )
+    with pytest.raises(WdsvlmError, match="resumes at batch 4 of epoch 0, but the Loader's state"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))

@@ -77,15 +77,15 @@ def tiling_fields(model: Any) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def positioned_skip(trainer_module: Any, feed: LoaderFeed, epoch_of: Any):
-    """While an epoch runs, the Trainer's ``skip_first_batches`` on the feed checks that the
+def positioned_skip(trainer_module: Any, feed: LoaderFeed, epoch: int):
+    """While ``epoch`` runs, the Trainer's ``skip_first_batches`` on the feed checks that the
     restored Loader stands where the Trainer resumes instead of skipping batches (the Trainer
     would otherwise replay the data to skip what the checkpoint took)."""
     original = trainer_module.skip_first_batches
 
     def skip_first_batches(dataloader, num_batches=0):
         if dataloader is feed:
-            return feed.check_position(epoch_of(), num_batches)
+            return feed.check_position(epoch, num_batches)
         return original(dataloader, num_batches)
 
     trainer_module.skip_first_batches = skip_first_batches

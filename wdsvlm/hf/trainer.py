@@ -82,7 +82,6 @@ class LoaderTrainerMixin:
             kwargs["processing_class"] = loader.settings.processor
         self.loader = loader
         self._feed: LoaderFeed | None = None
-        self._resuming: str | None = None
         super().__init__(model, args, train_dataset=stand_in(type(self), loader), **kwargs)
         check_settings(self)
         uses_trainer_loss = type(self).compute_loss is transformers.Trainer.compute_loss
@@ -123,15 +122,16 @@ class LoaderTrainerMixin:
                     "of all ranks' states resumes elsewhere in your own loop)"
                 )
             self.loader.load_state_dict(states)
-        self._resuming = resume_from_checkpoint or None
-        try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
-        finally:
-            self._resuming = None
+        elif (self.loader.epoch, self.loader.batches_done) != (0, 0):
+            raise WdsvlmError(
+                f"the Loader stands at batch {self.loader.batches_done} of epoch "
+                f"{self.loader.epoch}, and train() without resume_from_checkpoint starts at step "
+                "0 of epoch 0: give the Trainer a new Loader, or resume from a checkpoint"
+            )
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
-        epoch = kwargs.get("epoch")
-        with positioned_skip(trainer_module, self.get_train_dataloader(), lambda: epoch):
+        with positioned_skip(trainer_module, self.get_train_dataloader(), kwargs.get("epoch")):
             return super()._run_epoch(*args, **kwargs)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
