@@ -101,6 +101,34 @@ def test_a_script_whose_workers_would_rerun_its_top_level_is_refused(tmp_path, g
         assert 'if __name__ == "__main__":' in run.stderr
 
 
+FORK_AFTER_RESIZE = f"""
+import faulthandler, wdsvlm
+faulthandler.dump_traceback_later(100, exit=True)  # a hang prints every thread's stack
+small = dict(max_length=512, batch_size=2, tile_size=256, max_image_side=512, tokens_per_tile=16)
+print("alone", sum(1 for _ in wdsvlm.Loader({EXAMPLE!r}, {TOKENIZER!r}, **small)), flush=True)
+import cv2
+print("opencv_threads", cv2.getNumThreads(), flush=True)
+loader = wdsvlm.Loader({EXAMPLE!r}, {TOKENIZER!r}, num_workers=2, multiprocessing_context="fork",
+                       **small)
+print("forked", sum(1 for _ in loader), flush=True)
+"""
+
+
+@pytest.mark.processes
+def test_workers_forked_after_the_process_resized_images_do_not_hang(tmp_path):
+    """OpenCV's thread pool does not survive a fork: once it has run in the training process,
+    a worker forked from it hangs in its first resize. The tiling keeps the pool off."""
+    script = tmp_path / "fork_after_resize.py"
+    script.write_text(FORK_AFTER_RESIZE)
+    run = run_process(
+        [sys.executable, str(script)], timeout=150, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
+    assert run.returncode == 0, run.stdout[-1000:] + run.stderr[-4000:]
+    alone, threads, forked = (int(line.split()[1]) for line in run.stdout.split("\n")[:3])
+    assert alone > 0 and forked > 0
+    assert threads == 1  # the pool never started in the training process
+
+
 @pytest.mark.processes
 def test_many_worker_starts_right_after_a_resume_in_a_gloo_group_never_hang():
     """scripts/stress_worker_start.py: 2 ranks x 40 DataLoader starts (80 workers a rank),
