@@ -29,7 +29,6 @@ class LoaderFeed:
         self.loader = loader
         self.device = device
         self.fields = None if loader.family.name != "tiling" else tiling_fields(model)
-        self.skipped_to: tuple[int, int] | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
