@@ -24,8 +24,9 @@ from wdsvlm.pipeline.plan import Plan, WorkerConfig
 from wdsvlm.pipeline.read import ReadSamples
 
 
-def torch_tiles(pixels: np.ndarray, cols: int, rows: int, tile: int) -> np.ndarray:
-    """The tiling before: torch's antialiased bicubic on uint8, [H, W, 3] in and out."""
+def torch_tiles(pixels: np.ndarray, cols: int, rows: int, tile: int) -> tuple:
+    """(grid, thumbnail) as the tiling made them before: torch's antialiased bicubic on uint8,
+    [H, W, 3] in and out."""
     x = torch.from_numpy(np.array(pixels)).permute(2, 0, 1)[None]
     size = (rows * tile, cols * tile)
     grid = x if x.shape[-2:] == size else interpolate(x, size, mode="bicubic", antialias=True)
@@ -33,7 +34,7 @@ def torch_tiles(pixels: np.ndarray, cols: int, rows: int, tile: int) -> np.ndarr
     return grid[0].permute(1, 2, 0).numpy(), thumb[0].permute(1, 2, 0).numpy()
 
 
-def opencv_tiles(pixels: np.ndarray, cols: int, rows: int, tile: int) -> np.ndarray:
+def opencv_tiles(pixels: np.ndarray, cols: int, rows: int, tile: int) -> tuple:
     grid = resize(pixels, cols * tile, rows * tile)
     return grid, resize(grid, tile, tile)
 

@@ -19,7 +19,7 @@ from ..families.base import Family
 from ..families.tiling import ImageConfig, TilingFamily
 from ..format.images import UnreadableImage
 from .images import uint8_tiles
-from .stats import SkipStats
+from .stats import SkipStats, sample_name
 from .tokenize import IGNORE_INDEX
 from .usermap import ImageMap, MapFailed
 
@@ -145,9 +145,7 @@ def collate_rows(
         "pixel_values": pixels,
         "image_tiles": torch.tensor(tiles, dtype=torch.long),
         "num_loss_tokens": (labels_t != IGNORE_INDEX).sum(),
-        "sample_keys": [
-            [f"{s.get('__shard__', '?')}/{s.get('__key__', '?')}" for s in row] for row in rows
-        ],
+        "sample_keys": [[sample_name(s) for s in row] for row in rows],
         "sample_passes": [[s.get("__pass__", 0) for s in row] for row in rows],
     }
     if any("__source__" in s for s in samples):  # a mixture: which source each sample is of

@@ -11,6 +11,11 @@ from ..errors import TooManyFailuresError
 log = logging.getLogger("wdsvlm.stats")
 
 
+def sample_name(sample: dict) -> str:
+    """``"SHARD/KEY"``: how messages, stats and batches name a sample."""
+    return f"{sample.get('__shard__', '?')}/{sample.get('__key__', '?')}"
+
+
 def tally(
     counts: Counter,
     examples: dict[str, list[str]],
@@ -24,7 +29,7 @@ def tally(
     """Count one sample (a dict with ``__shard__`` and ``__key__``) under ``reason``, keep its
     ``"SHARD/KEY"`` among the first ``keep`` of that reason, and log the first one of each
     reason (``verb``: what happens to it, "skipping", "dropping"). Returns ``"SHARD/KEY"``."""
-    where = f"{sample.get('__shard__', '?')}/{sample.get('__key__', '?')}"
+    where = sample_name(sample)
     counts[reason] += 1
     kept = examples.setdefault(reason, [])
     if len(kept) < keep:

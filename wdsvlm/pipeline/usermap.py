@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import WdsvlmError
 from ..format.images import image_members
-from .stats import SkipStats
+from .stats import SkipStats, sample_name
 
 MAP_ERRORS = ("skip", "raise")
 _SAMPLE, _IMAGE = 0, 1  # the two streams of random numbers of a sample
@@ -30,29 +30,13 @@ class MapFailed(Exception):
     """The user's function raised on a sample, and ``map_errors="skip"``: skip it."""
 
 
-def where(sample: dict) -> str:
-    return f"{sample.get('__shard__', '?')}/{sample.get('__key__', '?')}"
-
-
 def rng_for(seed: int, sample: dict, *more: int) -> np.random.Generator:
     """The generator of one call: from (seed, pass, place in the pass, ``more``); a sample read
     outside a pass's order (the Loader's sizing reads a few) by its key instead."""
     pos = sample.get("__pos__")
     if pos is None:
-        pos = 2**40 + zlib.crc32(where(sample).encode())
+        pos = 2**40 + zlib.crc32(sample_name(sample).encode())
     return np.random.default_rng([seed, sample.get("__pass__") or 0, pos, *more])
-
-
-def failure(kind: str, fn: Callable, e: BaseException, sample: dict) -> str:
-    """``"KIND FN raised on SHARD/KEY: ERROR (at FILE:LINE in FUNCTION: CODE)"``: the error and
-    the last line of its traceback."""
-    frames = traceback.extract_tb(e.__traceback__)
-    at = ""
-    if frames:
-        last = frames[-1]
-        at = f" (at {last.filename}:{last.lineno} in {last.name}: {last.line})"
-    name = getattr(fn, "__qualname__", repr(fn))
-    return f"{kind} {name} raised on {where(sample)}: {type(e).__name__}: {e}{at}"
 
 
 class UserStep:
@@ -69,13 +53,23 @@ class UserStep:
     def name(self) -> str:
         return f"{self.kind} {getattr(self.fn, '__qualname__', repr(self.fn))}"
 
+    def failure(self, e: BaseException, sample: dict) -> str:
+        """``"KIND FN raised on SHARD/KEY: ERROR (at FILE:LINE in FUNCTION: CODE)"``: the error
+        and the last line of its traceback."""
+        frames = traceback.extract_tb(e.__traceback__)
+        at = ""
+        if frames:
+            last = frames[-1]
+            at = f" (at {last.filename}:{last.lineno} in {last.name}: {last.line})"
+        return f"{self.name} raised on {sample_name(sample)}: {type(e).__name__}: {e}{at}"
+
     def run(self, sample: dict, *args: Any) -> Any:
         """``fn(*args)`` on ``sample``'s behalf; an exception becomes ``MapFailed`` (to skip
         the sample) or, with ``map_errors="raise"``, a ``WdsvlmError``; both name it."""
         try:
             return self.fn(*args)
         except Exception as e:  # noqa: BLE001 - the user's code: skipped or raised as asked
-            detail = failure(self.kind, self.fn, e, sample)
+            detail = self.failure(e, sample)
             if self.errors == "raise":
                 raise WdsvlmError(detail) from e
             raise MapFailed(detail) from e
@@ -113,7 +107,7 @@ class SampleMap(UserStep):
             return None
         if not isinstance(out, dict) or "messages" not in out:
             raise WdsvlmError(
-                f"{self.name} returned {type(out).__name__} for {where(sample)}: it must "
+                f"{self.name} returned {type(out).__name__} for {sample_name(sample)}: it must "
                 "return the sample (a dict with its messages) or None to drop it"
             )
         return out
@@ -137,7 +131,7 @@ class ImageMap(UserStep):
             out = np.asarray(self.run(sample, pixels, rng_for(self.seed, sample, _IMAGE, index)))
             if out.shape != pixels.shape or out.dtype != np.uint8:
                 raise WdsvlmError(
-                    f"{self.name} made image {index} of {where(sample)} {out.dtype} "
+                    f"{self.name} made image {index} of {sample_name(sample)} {out.dtype} "
                     f"{tuple(out.shape)} from uint8 {tuple(pixels.shape)}: it must keep the size "
                     "and dtype (the image's tokens were planned from its size)"
                 )
