@@ -1,7 +1,7 @@
 """The main job: a tiny vision-language model trained with torchrun on wdsvlm's packed batches.
 
     torchrun --standalone --nproc_per_node=2 scripts/train_ddp.py [--data shards_example]
-        [--model tiny|qwen2_vl-tiny|qwen2_5_vl-tiny|qwen3_vl-tiny|smolvlm-tiny]
+        [--model tiny|qwen2_vl-tiny|qwen2_5_vl-tiny|qwen3_vl-tiny|smolvlm-tiny|llava_onevision-tiny]
         [--epochs 2] [--max-steps N] [--out runs/train] [--resume] [--print-keys]
 
 The model: a patch-embedding vision tower (one strided convolution per tile, one feature per
@@ -78,7 +78,8 @@ class TinyVLM(nn.Module):
 
 
 FAMILY_MODELS = {
-    f"{family}-tiny": family for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "smolvlm")
+    f"{family}-tiny": family
+    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "smolvlm", "llava_onevision")
 }
 
 

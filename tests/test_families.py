@@ -24,11 +24,12 @@ from wdsvlm.families.hf_processor import conversation, pixel_table
 from wdsvlm.families.inputs import normalise
 from wdsvlm.format.images import image_members, open_image
 from wdsvlm.pipeline.tokenize import IGNORE_INDEX
+from wdsvlm.testing.llava_onevision import ONEVISION_PINPOINTS
 from wdsvlm.testing.tiny import tiny_model, tiny_processor
 
 from .conftest import EXAMPLE
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "smolvlm", "idefics3"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "smolvlm", "idefics3", "llava_onevision"]
 
 
 def dataset_samples(root: str) -> dict[str, dict]:
@@ -119,9 +120,22 @@ def test_packed_batch_holds_what_the_processor_makes_of_each_sample(family, samp
 
 
 def reference_pixels(family: str, ref) -> torch.Tensor:
-    """The processor's pixels of one sample, one row per vision unit (patch or tile)."""
+    """The processor's pixels of one sample, one row per vision unit (patch, tile or crop)."""
     if family.startswith("qwen"):
         return ref["pixel_values"]  # [patches, 3 * T * P * P]
+    if family == "llava_onevision":  # [images, most crops, 3, S, S]: each image's crops
+        from transformers.models.llava_onevision.modeling_llava_onevision import (
+            image_size_to_num_patches,
+        )
+
+        pixels = ref["pixel_values"]
+        alone = ref["batch_num_images"].tolist() == [1]
+        side = pixels.shape[-1]
+        counts = [
+            image_size_to_num_patches(size, ONEVISION_PINPOINTS, side) if alone else 1
+            for size in ref["image_sizes"].tolist()
+        ]
+        return torch.cat([crops[:n] for crops, n in zip(pixels, counts, strict=True)])
     return ref["pixel_values"][0]  # [tiles, 3, S, S]: one sample, no padding images
 
 
@@ -359,3 +373,29 @@ def test_tiling_settings_given_with_a_processor_are_refused_not_ignored():
         wdsvlm.Loader(
             EXAMPLE, processor=tiny_processor("qwen2_vl"), tile_size=128, tokens_per_tile=16
         )
+
+
+def test_llava_onevision_packs_samples_of_one_and_of_several_images_as_alone(samples):
+    # An image alone is cut into anyres crops, each of several is one view: a packed batch
+    # holding both kinds must give the model what the processor gives each sample alone.
+    processor = tiny_processor("llava_onevision")
+    model = tiny_model("llava_onevision", processor).eval()
+    batches = _batches(processor, 4)
+    batch = next(b for b in batches if (b["batch_num_images"] > 1).any())
+    assert (batch["batch_num_images"] == 1).any()
+    inputs = wdsvlm.model_inputs(batch)
+    with torch.no_grad():
+        packed = model(**inputs).logits
+        pixel_at, kinds = 0, set()
+        for r, start, stop, key in _spans(batch):
+            ref = alone(processor, samples[key])
+            assert torch.equal(batch["input_ids"][r, start:stop], ref["input_ids"][0]), key
+            if "pixel_values" in ref:
+                expected = reference_pixels("llava_onevision", ref)
+                mine = inputs["pixel_values"][pixel_at : pixel_at + len(expected)]
+                assert torch.equal(mine, expected), key
+                pixel_at += len(expected)
+                kinds.add(len(ref["image_sizes"]) > 1)
+            logits = model(**ref, use_cache=False).logits[0]
+            torch.testing.assert_close(packed[r, start:stop], logits, rtol=0, atol=1e-5)
+    assert kinds == {True, False} and pixel_at == len(inputs["pixel_values"])

@@ -12,6 +12,7 @@ import pytest
 
 import wdsvlm
 from wdsvlm.families.base import Family
+from wdsvlm.families.llava_onevision import LlavaOnevisionFamily
 from wdsvlm.families.qwen import QwenFamily
 from wdsvlm.families.registry import family_of
 from wdsvlm.families.smolvlm import SmolVLMFamily
@@ -37,7 +38,7 @@ def test_the_default_tiling_is_a_family_with_a_tokenizer_or_for_images_alone():
 @pytest.mark.parametrize("name", FAMILIES)
 def test_each_processor_family_is_a_family(name):
     family = family_of(tiny_processor(name))
-    assert isinstance(family, (QwenFamily, SmolVLMFamily))
+    assert isinstance(family, (QwenFamily, SmolVLMFamily, LlavaOnevisionFamily))
     assert isinstance(family, Family)
     assert family.name in type(family).names
     assert family.constant_fields()["family"] == family.name

@@ -32,12 +32,16 @@ RENDERED = {
     "qwen3_vl": QWEN3,
     "smolvlm": "<|im_start|>" + SMOL,
     "idefics3": "<|begin_of_text|>" + SMOL,
+    # a turn's images first, then each text piece after a newline
+    "llava_onevision": "<|im_start|>user <image>\nWhat is it?<|im_end|>"
+    "<|im_start|>assistant \nA red square.<|im_end|>",
 }
 SPECIAL = {
     "qwen": ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_start|>", "<|vision_end|>"]
     + ["<|image_pad|>", "<|video_pad|>"],
     "smol": ["<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<global-img>"]
     + ["<image>", "<row_1_col_1>", "<row_6_col_6>"],
+    "llava": ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<image>", "<video>"],
 }
 
 
@@ -49,6 +53,9 @@ def image_tokens(processor, out) -> int:
     """How many image tokens the processor says ``out`` holds."""
     if "image_grid_thw" in out:
         return int(out["image_grid_thw"].prod(-1).sum()) // processor.image_processor.merge_size**2
+    if "batch_num_images" in out:  # LLaVA-OneVision: the count the processor gives vLLM
+        sizes = out["image_sizes"].tolist()
+        return sum(processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"])
     return out["pixel_values"].shape[1] * processor.image_seq_len  # tiles x tokens a tile
 
 
@@ -56,7 +63,8 @@ def image_tokens(processor, out) -> int:
 def test_processor_and_model(family):
     processor = tiny_processor(family)
     tokenizer = processor.tokenizer
-    for token in SPECIAL["qwen" if family.startswith("qwen") else "smol"]:
+    kind = next((k for k in SPECIAL if family.startswith(k)), "smol")
+    for token in SPECIAL[kind]:
         assert len(tokenizer.encode(token, add_special_tokens=False)) == 1, token
 
     text = processor.apply_chat_template(CONVERSATION, tokenize=False)
@@ -118,8 +126,13 @@ def test_packed_rows_match_single_samples(family):
     else:
         lengths = [s["input_ids"].shape[1] for s in samples]
         packed["position_ids"] = torch.cat([torch.arange(n) for n in lengths]).view(1, -1)
-        for key in ("pixel_values", "pixel_attention_mask"):
-            packed[key] = torch.cat([s[key] for s in samples], 1)
+        if family == "llava_onevision":  # each sample's crops in a row, with their sizes
+            packed["pixel_values"] = torch.cat([s["pixel_values"][0] for s in samples])
+            for key in ("image_sizes", "batch_num_images"):
+                packed[key] = torch.cat([s[key] for s in samples])
+        else:
+            for key in ("pixel_values", "pixel_attention_mask"):
+                packed[key] = torch.cat([s[key] for s in samples], 1)
     with torch.no_grad():
         alone = torch.cat([model(**s).logits[0] for s in samples])
         together = model(**packed).logits[0]

@@ -51,7 +51,7 @@ def test_train_ddp_trains_and_resumes_with_the_same_batches(tmp_path):
     assert after == {s: k for s, k in keys_by_step(whole).items() if s > 3}
 
 
-@pytest.mark.parametrize("model", ["qwen2_5_vl-tiny", "smolvlm-tiny"])
+@pytest.mark.parametrize("model", ["qwen2_5_vl-tiny", "smolvlm-tiny", "llava_onevision-tiny"])
 def test_train_ddp_trains_a_transformers_architecture_on_packed_batches(tmp_path, model):
     log = train(tmp_path / model, "--model", model, "--max-steps", "12", "--workers", "1")
     losses = [float(x) for x in re.findall(r": loss (\d+\.\d+),", log)]

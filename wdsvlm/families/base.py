@@ -45,10 +45,12 @@ class Family(Protocol):
     def chat_messages(self, messages: list[dict]) -> list[dict]:
         """Stored messages (``<image>`` markers in string content) as its template takes them."""
 
-    def image_cost(self, width: int, height: int) -> int:
-        """Vision units (tiles, patches) of an image displayed at ``width x height``."""
+    def image_cost(self, width: int, height: int, alone: bool = True) -> int:
+        """Vision units (tiles, patches) of an image displayed at ``width x height``;
+        ``alone``: whether it is its sample's only image (LLaVA-OneVision cuts an image alone
+        into crops at a resolution of its own, and gives each of several images one view)."""
 
-    def image_token_ids(self, width: int, height: int) -> np.ndarray:
+    def image_token_ids(self, width: int, height: int, alone: bool = True) -> np.ndarray:
         """The int64 token ids that replace the placeholder of an image of that size."""
 
     def fingerprint_facts(self) -> list:
@@ -76,18 +78,19 @@ Edit = Callable[[int, Any], Any]
 def decode_each(
     sample: dict,
     out: torch.Tensor,
-    cost: Callable[[int, int], int],
+    cost: Callable[..., int],
     fill: Callable[..., object],
     edit: Edit | None = None,
 ) -> None:
-    """Decode a sample's images, in order, into ``out``: image by image, ``cost(w, h)``
-    units each, written by ``fill(bytes, index size, its slice of out, edit)``, which checks
-    the image against the size in the sample's index entry and passes the decoded image
-    through ``edit(image)`` (None: as it is)."""
+    """Decode a sample's images, in order, into ``out``: image by image, ``cost(w, h,
+    alone)`` units each, written by ``fill(bytes, index size, its slice of out, edit)``,
+    which checks the image against the size in the sample's index entry and passes the
+    decoded image through ``edit(image)`` (None: as it is)."""
     start = 0
     names = image_members(sample)
-    for i, (name, size) in enumerate(zip(names, sample["__meta__"]["images"], strict=True)):
-        count = cost(*size)
+    sizes = sample["__meta__"]["images"]
+    for i, (name, size) in enumerate(zip(names, sizes, strict=True)):
+        count = cost(*size, len(sizes) == 1)
         one = None if edit is None else functools.partial(edit, i)
         fill(sample[name], size, out[start : start + count], one)
         start += count

@@ -127,12 +127,12 @@ class QwenFamily(ProcessorFamily):
         w, h = self.resized(width, height)
         return 1, h // self.patch_size, w // self.patch_size
 
-    def image_cost(self, width: int, height: int) -> int:
+    def image_cost(self, width: int, height: int, alone: bool = True) -> int:
         """Patches of the image: its vision units."""
         t, h, w = self.grid(width, height)
         return t * h * w
 
-    def image_token_ids(self, width: int, height: int) -> np.ndarray:
+    def image_token_ids(self, width: int, height: int, alone: bool = True) -> np.ndarray:
         n = self.image_cost(width, height) // self.merge_size**2
         return np.full(n, self.image_token_id, dtype=np.int64)
 

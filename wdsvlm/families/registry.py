@@ -2,7 +2,8 @@
 
 Pass ``processor=`` to the Loader and its family's conventions replace the default tiling:
 Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``qwen.py``: dynamic resolution, flattened patches, mRoPE
-positions) and SmolVLM / Idefics3 (``smolvlm.py``: tiles and a global image).
+positions), SmolVLM / Idefics3 (``smolvlm.py``: tiles and a global image) and LLaVA-OneVision
+(``llava_onevision.py``: anyres crops, unpadded features and a newline per row).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ SUPPORTED = {
     "Qwen3VLProcessor": ("qwen", "QwenFamily"),
     "SmolVLMProcessor": ("smolvlm", "SmolVLMFamily"),
     "Idefics3Processor": ("smolvlm", "SmolVLMFamily"),
+    "LlavaOnevisionProcessor": ("llava_onevision", "LlavaOnevisionFamily"),
 }
 
 

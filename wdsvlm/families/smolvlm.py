@@ -121,12 +121,12 @@ class SmolVLMFamily(ProcessorFamily):
             return 0, 0
         return h // self.unit_size, w // self.unit_size
 
-    def image_cost(self, width: int, height: int) -> int:
+    def image_cost(self, width: int, height: int, alone: bool = True) -> int:
         """Vision units (S x S tiles) of a ``width x height`` image: rows * cols + global, or 1."""
         rows, cols = self._rows_cols(width, height)
         return rows * cols + 1
 
-    def image_token_ids(self, width: int, height: int) -> np.ndarray:
+    def image_token_ids(self, width: int, height: int, alone: bool = True) -> np.ndarray:
         """The ids replacing one placeholder token: the processor's expansion, tokenized.
 
         The expansion (the processor's own ``replace_image_token``) starts and ends with

@@ -157,7 +157,7 @@ def decode_into(
     decode_each(
         sample,
         out,
-        lambda w, h: tile_count(w, h, config),
+        lambda w, h, alone: tile_count(w, h, config),
         lambda data, size, part, one: image_tiles(data, config, size, out=part, edit=one),
         edit,
     )
@@ -237,10 +237,10 @@ class TilingFamily:
             {**m, "content": m["content"].replace(IMAGE_MARKER, self.placeholder)} for m in messages
         ]
 
-    def image_cost(self, width: int, height: int) -> int:
+    def image_cost(self, width: int, height: int, alone: bool = True) -> int:
         return tile_count(width, height, self.config)
 
-    def image_token_ids(self, width: int, height: int) -> np.ndarray:
+    def image_token_ids(self, width: int, height: int, alone: bool = True) -> np.ndarray:
         """The image token, ``tokens_per_tile`` times for each tile."""
         n = self.image_cost(width, height) * self.tokens_per_tile
         return np.full(n, self.image_token_id, dtype=np.int64)

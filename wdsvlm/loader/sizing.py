@@ -74,7 +74,7 @@ def estimate_batches(
     tokens = tiles = 0.0
     for times, _, _, entry in every:  # each sample as often as a pass holds it
         try:
-            images = [tokenize.image_numbers(w, h) for w, h in entry.get("images", [])]
+            images = tokenize.image_numbers(entry.get("images", []))
         except UnusableImage:
             continue  # skipped when it is read: an image the family refuses
         n_tiles = sum(units for units, _ in images)
@@ -157,7 +157,7 @@ def characters_per_token(chosen: list[tuple], tokenize: Any, settings: Any) -> f
     chars = text = 0
     for sample in tokenize.encode(samples, stats=quiet):
         sizes = sample["__meta__"].get("images", [])
-        image_tokens = sum(tokenize.image_numbers(w, h)[1] for w, h in sizes)
+        image_tokens = sum(tokens for _, tokens in tokenize.image_numbers(sizes))
         chars += sum(sample["__meta__"].get("chars", []))
         text += sample["num_tokens"] - image_tokens
     return chars / text if chars and text else 3.5

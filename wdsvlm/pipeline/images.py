@@ -80,7 +80,7 @@ class DecodeImages:
         if sizes is None:  # no index entry: the sizes from the image headers
             sizes = [list(image_size(sample[name])) for name in names]
             sample.setdefault("__meta__", {})["images"] = sizes
-        counts = [self.family.image_cost(w, h) for w, h in sizes]
+        counts = [self.family.image_cost(w, h, len(sizes) == 1) for w, h in sizes]
         pixels = uint8_tiles(sum(counts), self.family.unit_size)
         self.family.decode(sample, pixels)
         for name in names:

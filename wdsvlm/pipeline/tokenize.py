@@ -190,16 +190,23 @@ class Tokenize:
         sizes say they will be."""
         if "image_tiles" in sample:
             return list(sample["image_tiles"])
-        return [self.family.image_cost(w, h) for w, h in self.sizes_of(sample)]
+        sizes = self.sizes_of(sample)
+        return [self.family.image_cost(w, h, len(sizes) == 1) for w, h in sizes]
 
-    def image_numbers(self, width: int, height: int) -> tuple[int, int]:
-        """``(vision units, tokens)`` of an image displayed at ``width x height``."""
-        ids = self.family.image_token_ids(width, height)
-        return self.family.image_cost(width, height), len(ids)
+    def image_numbers(self, sizes: list) -> list[tuple[int, int]]:
+        """``(vision units, tokens)`` of each image of a sample whose images are displayed at
+        ``sizes`` (``(width, height)`` each)."""
+        alone = len(sizes) == 1
+        family = self.family
+        return [
+            (family.image_cost(w, h, alone), len(family.image_token_ids(w, h, alone)))
+            for w, h in sizes
+        ]
 
     def _image_ids(self, sample: dict) -> list[np.ndarray]:
         """The token ids that replace each image's one image token."""
-        return [self.family.image_token_ids(w, h) for w, h in self.sizes_of(sample)]
+        sizes = self.sizes_of(sample)
+        return [self.family.image_token_ids(w, h, len(sizes) == 1) for w, h in sizes]
 
     def _prepare(
         self, sample: dict, stats: SkipStats

@@ -17,12 +17,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, ProcessorMixin
 
+from .llava_onevision import onevision_model_config, onevision_processor
 from .qwen import qwen_model_config, qwen_processor
 from .smolvlm import smol_model_config, smol_processor
 
 __all__ = ["FAMILIES", "tiny_model", "tiny_processor"]
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "smolvlm", "idefics3")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "smolvlm", "idefics3", "llava_onevision")
 
 
 def _check_family(family: str) -> None:
@@ -39,6 +40,8 @@ def tiny_processor(family: str, **image_kwargs: Any) -> ProcessorMixin:
     _check_family(family)
     if family.startswith("qwen"):
         return qwen_processor(family, **image_kwargs)
+    if family == "llava_onevision":
+        return onevision_processor(**image_kwargs)
     return smol_processor(family, **image_kwargs)
 
 
@@ -55,7 +58,10 @@ def tiny_model(
     """
     _check_family(family)
     processor = tiny_processor(family) if processor is None else processor
-    model_config = qwen_model_config if family.startswith("qwen") else smol_model_config
-    config, model_cls = model_config(family, processor)
+    if family == "llava_onevision":
+        config, model_cls = onevision_model_config(processor)
+    else:
+        model_config = qwen_model_config if family.startswith("qwen") else smol_model_config
+        config, model_cls = model_config(family, processor)
     torch.manual_seed(seed)
     return model_cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
