@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--processor",
         metavar="P",
         help="a model family's processor (name or folder for AutoProcessor), or tiny:FAMILY "
-        "(qwen2_vl, qwen2_5_vl, qwen3_vl, smolvlm, idefics3): the family's processor with its "
+        "(qwen2_vl, qwen2_5_vl, qwen3_vl, smolvlm, idefics3, llava_onevision): the family's "
+        "processor with its "
         "published image sizes over the tiny tokenizer of shards_example, offline; "
         "--tile-size, --max-image-side and --tokens-per-tile do not apply",
     )

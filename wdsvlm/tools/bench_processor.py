@@ -32,13 +32,18 @@ from .naive import webdataset_batches
 # and Qwen2.5-VL as transformers' Qwen2VLImageProcessor defaults (56x56 to 1280 28x28 merged
 # tokens), Qwen3-VL as its preprocessor_config.json (64 to 16384 32x32 merged tokens),
 # SmolVLM-Instruct 384 px tiles of an image resized to 1536 px; Idefics3 publishes 364 px
-# tiles, which the tiny processor's 16 px patches cannot take, so 384 px there too.
+# tiles, which the tiny processor's 16 px patches cannot take, so 384 px there too;
+# LLaVA-OneVision 384 px views (729 tokens) and its grid of 1 to 6 views a side.
 PUBLISHED: dict[str, dict[str, Any]] = {
     "qwen2_vl": {"size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}},
     "qwen2_5_vl": {"size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}},
     "qwen3_vl": {"size": {"shortest_edge": 64 * 32 * 32, "longest_edge": 16384 * 32 * 32}},
     "smolvlm": {"size": {"longest_edge": 4 * 384}, "max_image_size": {"longest_edge": 384}},
     "idefics3": {"size": {"longest_edge": 4 * 384}, "max_image_size": {"longest_edge": 384}},
+    "llava_onevision": {
+        "size": {"height": 384, "width": 384},
+        "image_grid_pinpoints": [[384 * r, 384 * c] for r in range(1, 7) for c in range(1, 7)],
+    },
 }
 
 
