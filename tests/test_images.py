@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from wdsvlm.format.images import UnreadableImage, probe_image, stored_bytes
+from wdsvlm.format.images import (
+    ImageSizeMismatch,
+    UnreadableImage,
+    decode_pixels,
+    open_image,
+    probe_image,
+    stored_bytes,
+)
 
 
 def encode(img: Image.Image, fmt: str, **save) -> bytes:
@@ -170,27 +178,62 @@ def test_palette_with_transparency_composites_on_white():
     assert _single_color(out) == (255, 255, 255)
 
 
-def test_large_jpegs_decode_in_draft_mode(monkeypatch):
-    from PIL import JpegImagePlugin
-
+def test_large_jpegs_decode_at_the_scale_of_pillows_draft_mode():
+    big = encode(photo(4000, 3000), "JPEG")
     requested = []
-    real = JpegImagePlugin.JpegImageFile.draft
 
-    def spy(self, mode, size):
-        result = real(self, mode, size)
-        requested.append((size, self.size))
-        return result
+    def target(width, height):
+        requested.append((width, height))
+        return 1024, 768  # a 2 x 2 grid of 512 px tiles
 
-    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", spy)
-    big = encode(Image.new("RGB", (4000, 3000), (90, 90, 90)), "JPEG")
-    out = image_tiles(big, ImageConfig())  # 1024 x 768 -> 2 x 2 grid of 512
-    assert out.shape[0] == 5
-    ((target, decoded),) = requested
-    assert target == (1024, 1024) and decoded == (2000, 1500)  # decoded at half size
-    requested.clear()
-    small = encode(Image.new("RGB", (1500, 1000), (90, 90, 90)), "JPEG")
-    image_tiles(small, ImageConfig())  # 1024 x 683: more than half the source
-    assert requested[0][1] == (1500, 1000)  # full size: draft would not reach the target
+    half = decode_pixels(big, (4000, 3000), draft=target)
+    assert requested == [(4000, 3000)] and half.shape == (1500, 2000, 3)  # decoded at half size
+    with Image.open(io.BytesIO(big)) as img:
+        img.draft("RGB", (1024, 768))
+        assert np.array_equal(half, np.asarray(img))  # Pillow's draft decode, pixel for pixel
+    assert image_tiles(big, ImageConfig()).shape[0] == 5
+    small = encode(photo(1500, 1000), "JPEG")  # 1024 x 683: more than half the source
+    assert decode_pixels(small, draft=lambda w, h: (1024, 683)).shape == (1000, 1500, 3)
+
+
+def photo(width: int, height: int) -> Image.Image:
+    """Gradients and noise: a JPEG's every block differs."""
+    rng = np.random.default_rng(width * 7 + height)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 // max(width, 1), y * 255 // max(height, 1), (x * y) % 256], -1)
+    return Image.fromarray((base + rng.integers(0, 40, base.shape)).clip(0, 255).astype(np.uint8))
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize("draft", [None, (60, 40)])
+def test_decoded_pixels_are_pillows_in_every_exif_orientation(orientation, draft):
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(photo(240, 160), "JPEG", exif=exif.tobytes())
+    shown = (160, 240) if orientation in (5, 6, 7, 8) else (240, 160)
+
+    def target(width, height):
+        return draft if shown[0] > shown[1] else draft[::-1]
+
+    fast = decode_pixels(data, shown, draft=target if draft else None)
+    expected = np.asarray(open_image(data, shown, draft=target if draft else None))
+    assert fast.shape == expected.shape and np.array_equal(fast, expected)
+    assert fast.shape[:2][::-1] == (shown if draft is None else (shown[0] // 4, shown[1] // 4))
+
+
+@pytest.mark.parametrize("mode, fmt", [("L", "JPEG"), ("CMYK", "JPEG"), ("RGB", "PNG")])
+def test_grey_cmyk_and_other_formats_decode_as_open_image_does(mode, fmt):
+    data = encode(photo(64, 48).convert(mode), fmt)
+    assert np.array_equal(decode_pixels(data), np.asarray(open_image(data)))
+
+
+@pytest.mark.parametrize("cut", [0.1, 0.5, 0.9, 0.999])
+def test_truncated_jpeg_pixels_are_refused_as_unreadable(cut):
+    data = encode(photo(300, 200), "JPEG")
+    with pytest.raises(UnreadableImage):
+        decode_pixels(data[: int(len(data) * cut)])
+    with pytest.raises(ImageSizeMismatch, match="decodes to 300x200, the index says 301x200"):
+        decode_pixels(data, (301, 200))
 
 
 def test_decode_stage_skips_a_bad_image_and_keeps_the_rest():
