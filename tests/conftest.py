@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
@@ -39,6 +40,15 @@ def make_image(path: str, size: tuple[int, int], fmt: str, seed: int = 0, **save
     draw.rectangle([0, 0, w // 6, h // 3], fill=(10, 160, 60))
     img.save(path, format=fmt, **save)
     return path
+
+
+def photo(width: int, height: int, seed: int = 0) -> Image.Image:
+    """Smooth gradients plus noise: resampling filters see edges, ramps and texture."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 / max(width, 1), y * 255 / max(height, 1), (x + y) % 256], -1)
+    noisy = base + rng.normal(0, 25, (height, width, 3))
+    return Image.fromarray(noisy.clip(0, 255).astype(np.uint8), "RGB")
 
 
 def write_jsonl(path: str, records: list) -> str:

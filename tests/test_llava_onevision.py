@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -15,6 +14,8 @@ from wdsvlm.families.llava_onevision import LlavaOnevisionFamily
 from wdsvlm.families.registry import family_of
 from wdsvlm.testing.llava_onevision import TinyLlavaOnevisionProcessor
 from wdsvlm.testing.tiny import tiny_processor
+
+from .conftest import photo
 
 # Tiny, thin, square, extreme aspect ratios (both ways), exact multiples of the view and one
 # pixel over, upscaled small images, and large ones whose features the model shrinks.
@@ -39,15 +40,6 @@ SIZES = [
     (1600, 900),
     (3000, 2000),
 ]
-
-
-def photo(width: int, height: int, seed: int = 0) -> Image.Image:
-    """Gradients and noise: resampling filters see edges, ramps and texture."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x * 255 / max(width, 1), y * 255 / max(height, 1), (x + y) % 256], -1)
-    noisy = base + rng.normal(0, 25, (height, width, 3))
-    return Image.fromarray(noisy.clip(0, 255).astype(np.uint8), "RGB")
 
 
 def crops(family: LlavaOnevisionFamily, image: Image.Image, alone: bool = True) -> torch.Tensor:

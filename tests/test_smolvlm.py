@@ -13,6 +13,8 @@ from transformers import SmolVLMImageProcessorPil
 from wdsvlm.families.smolvlm import SmolVLMFamily
 from wdsvlm.testing.tiny import tiny_model, tiny_processor
 
+from .conftest import photo
+
 # A long edge of 100 px over 32 px tiles: no multiple of the tile, so the processor's float
 # truncations matter (and a 32 px tile, 2x2 patches of 16, is one token: fast).
 ODD = {"size": {"longest_edge": 100}, "max_image_size": {"longest_edge": 32}}
@@ -31,15 +33,6 @@ def pixel_table(ip) -> torch.Tensor:
     x = ip.rescale(x, ip.rescale_factor) if ip.do_rescale else x.astype(np.float32)
     x = ip.normalize(x, ip.image_mean, ip.image_std) if ip.do_normalize else x
     return torch.from_numpy(np.ascontiguousarray(x[:, 0, :], dtype=np.float32))
-
-
-def photo(width: int, height: int, seed: int = 0) -> Image.Image:
-    """Smooth gradients plus noise: resampling filters see edges, ramps and texture."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x * 255 / max(width, 1), y * 255 / max(height, 1), (x + y) % 256], -1)
-    noisy = base + rng.normal(0, 25, (height, width, 3))
-    return Image.fromarray(noisy.clip(0, 255).astype(np.uint8), "RGB")
 
 
 def units(family: SmolVLMFamily, img: Image.Image) -> torch.Tensor:

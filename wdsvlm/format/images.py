@@ -58,6 +58,16 @@ class ImageInfo:
     reencoded: bool
 
 
+def _checked_size(img: Image.Image, expected_size: Sequence[int] | None) -> tuple[int, int]:
+    """The displayed size of ``img``, refused where the index recorded another."""
+    width, height = _displayed_size(img)
+    if expected_size is not None and (width, height) != tuple(expected_size):
+        raise ImageSizeMismatch(
+            f"decodes to {width}x{height}, the index says {expected_size[0]}x{expected_size[1]}"
+        )
+    return width, height
+
+
 def _displayed_size(img: Image.Image) -> tuple[int, int]:
     width, height = img.size
     if img.getexif().get(_EXIF_ORIENTATION, 1) in _TRANSPOSED_ORIENTATIONS:
@@ -146,12 +156,7 @@ def open_image(
     """
     try:
         with Image.open(io.BytesIO(data)) as img:
-            width, height = _displayed_size(img)
-            if expected_size is not None and (width, height) != tuple(expected_size):
-                raise ImageSizeMismatch(
-                    f"decodes to {width}x{height}, the index says "
-                    f"{expected_size[0]}x{expected_size[1]}"
-                )
+            width, height = _checked_size(img, expected_size)
             if draft is not None and img.format == "JPEG":
                 target = draft(width, height)
                 img.draft("RGB", target if img.size == (width, height) else target[::-1])
@@ -188,12 +193,7 @@ def decode_pixels(
     Any other image is ``open_image``'s."""
     try:
         with Image.open(io.BytesIO(data)) as img:
-            width, height = _displayed_size(img)
-            if expected_size is not None and (width, height) != tuple(expected_size):
-                raise ImageSizeMismatch(
-                    f"decodes to {width}x{height}, the index says "
-                    f"{expected_size[0]}x{expected_size[1]}"
-                )
+            width, height = _checked_size(img, expected_size)
             if img.format != "JPEG" or img.mode != "RGB":  # grey, CMYK, PNG, ...: Pillow's
                 return np.asarray(open_image(data, expected_size, draft))
             scale = 1
