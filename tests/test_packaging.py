@@ -124,6 +124,22 @@ def test_parquet_input_and_the_ray_engine_without_their_extras_are_one_line_nami
 
 
 @pytest.mark.processes
+def test_the_energon_bench_without_its_extra_is_one_line_naming_it(tmp_path):
+    script = os.path.join(REPO, "scripts", "bench_energon.py")
+    code = (
+        "import runpy, sys; sys.modules['megatron'] = None; "
+        f"sys.argv = [{script!r}, '--workdir', {str(tmp_path)!r}]; "
+        f"runpy.run_path({script!r}, run_name='__main__')"
+    )
+    run = run_process([sys.executable, "-c", code], timeout=60)
+    assert run.returncode == 1, run.stderr
+    line = run.stderr.strip()
+    assert "\n" not in line and line.endswith("pip install 'wdsvlm[bench]'"), run.stderr
+    assert "needs megatron.energon" in line, line
+    assert not os.listdir(tmp_path)  # it stopped before making any data
+
+
+@pytest.mark.processes
 def test_the_core_runs_without_the_extras(tmp_path):
     example = os.path.join(REPO, "shards_example")
     args = [example, "--tokenizer", os.path.join(example, "tokenizer"), "--max-length", "1024"]
