@@ -41,12 +41,18 @@ SAMPLE_BYTES = 60_000
 RANK, WORLD, WORKERS = 7, 64, 8
 
 
-def make(folder: str, samples: int) -> str:
-    """The synthetic dataset of ``samples`` samples under ``folder`` (kept between runs)."""
+def make(
+    folder: str, samples: int, per_shard: int = PER_SHARD, sample_bytes: int = SAMPLE_BYTES
+) -> str:
+    """The synthetic dataset of ``samples`` samples under ``folder`` (kept between runs),
+    ``per_shard`` samples of ``sample_bytes`` bytes a shard."""
     from wdsvlm.format.index import dumps_index, shard_summary, sidecar_entry
     from wdsvlm.format.sidecar import pack_entries, sidecar_name
 
-    out = os.path.join(folder, f"n{samples}")
+    name = f"n{samples}"
+    if (per_shard, sample_bytes) != (PER_SHARD, SAMPLE_BYTES):
+        name += f"-{per_shard}x{sample_bytes}"
+    out = os.path.join(folder, name)
     if os.path.exists(os.path.join(out, "index.json")):
         return out
     shutil.rmtree(out, ignore_errors=True)  # a run cut short
@@ -54,12 +60,12 @@ def make(folder: str, samples: int) -> str:
     entries = [
         {
             "key": f"{i:09d}",
-            "offset": i * SAMPLE_BYTES,
-            "size": SAMPLE_BYTES,
+            "offset": i * sample_bytes,
+            "size": sample_bytes,
             "images": [[640 + i % 7 * 100, 480]],
             "chars": [120, 300],
         }
-        for i in range(PER_SHARD)
+        for i in range(per_shard)
     ]
     data = pack_entries(entries)
     first = os.path.join(out, "sidecar.idx")
@@ -67,14 +73,14 @@ def make(folder: str, samples: int) -> str:
         f.write(data)
     summary = shard_summary(entries)
     shards = []
-    for s in range(samples // PER_SHARD):
+    for s in range(samples // per_shard):
         name = f"data-{s:06d}.tar"
         os.symlink("sidecar.idx", os.path.join(out, sidecar_name(name)))
         shards.append(
             {
                 "name": name,
-                "samples": PER_SHARD,
-                "bytes": PER_SHARD * SAMPLE_BYTES,
+                "samples": per_shard,
+                "bytes": per_shard * sample_bytes,
                 "sha256": "0" * 64,
                 "sidecar": sidecar_entry(sidecar_name(name), data),
                 **summary,

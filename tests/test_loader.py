@@ -266,6 +266,7 @@ OTHER_VALUES = {
     "seed": 1,
     "shuffle_buffer": 10,
     "shuffle_bytes": 2**20,
+    "span_bytes": 100_000,
     "tile_size": 64,
     "max_image_side": 512,
     "upscale": True,
@@ -321,6 +322,61 @@ def test_a_state_of_an_older_release_is_refused_with_what_to_do():
             loader.load_state_dict({**state, "version": version})
     with pytest.raises(ValueError, match="loader state version 7"):
         loader.load_state_dict({**state, "version": 7})
+
+
+def test_a_state_of_before_span_bytes_was_recorded_resumes_with_the_8_mib_of_then():
+    from .test_ddp import digest
+
+    base = {"max_length": 1024, "batch_size": 2, "batches_per_epoch": 6, **SMALL}
+    then = {**base, "span_bytes": 8 * 2**20}
+    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, **then)
+    batches = [digest(b) for b in loader]
+    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, **then)
+    next(iter(loader))
+    state = loader.state_dict()
+    del state["config"]["span_bytes"]  # as an older wdsvlm saved it
+    with pytest.raises(ValueError, match=r"other settings: span_bytes 8388608 -> 1048576"):
+        wdsvlm.Loader(EXAMPLE, TOKENIZER, **base).load_state_dict(state)
+    resumed = wdsvlm.Loader(EXAMPLE, TOKENIZER, **then)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(0)
+    assert [digest(b) for b in resumed] == batches[1:]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_small_chunks_read_several_at_once_resume_exactly_from_any_step(workers):
+    """Chunks of a few samples (over 40 chunk visits a pass), four reads in flight and a
+    small shuffle buffer: a state saved at any step, mid-visit and with reads in flight,
+    gives the uninterrupted run's batches, bit for bit; each pass holds every sample once."""
+    from .test_ddp import digest
+
+    options = {
+        "max_length": 1024,
+        "batch_size": 2,
+        "span_bytes": 60_000,
+        "read_ahead": 4,
+        "shuffle_buffer": 16,
+        "num_workers": workers,
+        **SMALL,
+    }
+    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, **options)
+    assert sum(1 for _ in loader.plan.read_spans(0, [[0, loader.plan.num_samples]], 0)) > 40
+    digests, states, batches = [], [], []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            batches.append(batch)
+            digests.append(digest(batch))
+            states.append(loader.state_dict())
+    assert sorted(keys_of(batches, of_pass=0)) == example_keys()
+    for k in (1, len(loader) // 2 + 1, len(loader) + 3):
+        resumed = wdsvlm.Loader(EXAMPLE, TOKENIZER, **options)
+        resumed.load_state_dict(states[k - 1])
+        got = []
+        for epoch in range(states[k - 1]["epoch"], 2):
+            resumed.set_epoch(epoch)
+            got += [digest(b) for b in resumed]
+        assert got == digests[k:], f"after step {k}"
 
 
 def test_a_dataset_where_nothing_fits_is_an_error_not_an_endless_loop():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tarfile
+import threading
 
 import pytest
 import webdataset as wds
@@ -18,6 +19,8 @@ from wdsvlm.pipeline.read import ReadSamples
 from wdsvlm.pipeline.shuffle import Shuffle
 from wdsvlm.pipeline.stats import SkipStats
 from wdsvlm.pipeline.tokenize import Tokenize
+from wdsvlm.storage.fs import ReadPolicy
+from wdsvlm.testing.stores import range_server
 
 from .conftest import EXAMPLE
 
@@ -167,3 +170,35 @@ def test_full_pipeline_in_dataloader_workers_yields_every_sample_once():
     keys = [k for k, _, _ in out]
     assert len(keys) == 320 and len(set(keys)) == 320
     assert all(tokens > 0 for _, tokens, _ in out)
+
+
+def _reader_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("wdsvlm-read")]
+
+
+def test_several_reads_run_at_once_and_samples_come_in_the_plans_order():
+    """Small chunks (about 40 spans here) are read ``read_ahead`` at a time from a store that
+    answers 50 ms late; the samples come in the plan's order, as read one at a time, and the
+    threads end with the stage, also when it is closed early."""
+    alone = [
+        (s["__pos__"], s["__key__"], s["json"])
+        for s in ReadSamples(read_ahead=0)(
+            iter(Plan(EXAMPLE, worker_config=ONE, span_bytes=100_000))
+        )
+    ]
+    policy = ReadPolicy(timeout=30)
+    with range_server(EXAMPLE, delay=0.05) as server:
+        plan = Plan(server.url, worker_config=ONE, span_bytes=100_000)
+        spans = list(plan)
+        assert 30 <= len(spans) <= 60
+        got = [
+            (s["__pos__"], s["__key__"], s["json"])
+            for s in ReadSamples(policy=policy, read_ahead=4)(iter(spans))
+        ]
+        assert got == alone
+        assert 2 <= server.most_at_once <= 4
+        early = ReadSamples(policy=policy, read_ahead=4)(iter(spans))
+        next(early)
+        assert _reader_threads()
+        early.close()
+    assert not _reader_threads()

@@ -22,6 +22,7 @@ from wdsvlm.errors import ObjectNotFoundError
 from wdsvlm.pipeline.order import span
 from wdsvlm.pipeline.read import ReadSamples
 from wdsvlm.storage.fs import ReadPolicy, is_transient, read_range
+from wdsvlm.testing.stores import range_server
 
 from .conftest import EXAMPLE, run_cli
 from .faults import FaultProxy
@@ -334,8 +335,6 @@ def test_worker_processes_fill_one_cache_together(s3_bucket, tmp_path):
 
 
 def test_memory_and_http_sources_give_the_same_batches(local_batches, tmp_path):
-    import http.server
-
     names = [n for n in os.listdir(EXAMPLE) if n.endswith(".tar") or n == "index.json"]
     memory = fsspec.filesystem("memory")
     folder = f"/example-{time.monotonic_ns()}"
@@ -344,40 +343,8 @@ def test_memory_and_http_sources_give_the_same_batches(local_batches, tmp_path):
             memory.pipe(f"{folder}/{name}", f.read())
     assert batches_of(f"memory://{folder}") == local_batches
 
-    class Ranges(http.server.SimpleHTTPRequestHandler):
-        """Static files with byte ranges (``Range: bytes=a-b``), as object stores serve."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, directory=EXAMPLE, **kwargs)
-
-        def do_GET(self):
-            path = self.translate_path(self.path)
-            if not os.path.isfile(path):
-                return self.send_error(404)
-            data = open(path, "rb").read()
-            wanted = self.headers.get("Range")
-            status = 200
-            if wanted:
-                a, _, b = wanted.removeprefix("bytes=").partition("-")
-                a, b = int(a), min(int(b) if b else len(data) - 1, len(data) - 1)
-                data, status = data[a : b + 1], 206
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ranges)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        assert batches_of(f"http://127.0.0.1:{server.server_port}") == local_batches
-    finally:
-        server.shutdown()
-        thread.join()
-        server.server_close()
+    with range_server(EXAMPLE) as server:
+        assert batches_of(server.url) == local_batches
 
 
 def test_errors_never_show_the_credentials(s3_bucket):

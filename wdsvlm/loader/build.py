@@ -76,6 +76,7 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         source,
         seed=settings.seed,
         worker_config=worker_config,
+        span_bytes=settings.span_bytes,
         storage_options=settings.storage_options,
         read_policy=settings.read_policy,
         samples_per_pass=settings.samples_per_pass,

@@ -44,7 +44,7 @@ class Loader:
     for the Qwen family, tiles for SmolVLM).
     ``storage_options`` go to fsspec; ``read_policy`` (``wdsvlm.ReadPolicy``) sets the block
     size, retries, backoff and timeout of ranged reads, ``read_ahead`` how many spans each
-    worker reads ahead, and ``on_shard_error="skip"`` reports an unreadable shard's samples as
+    worker reads at once, and ``on_shard_error="skip"`` reports an unreadable shard's samples as
     skipped instead of raising. ``cache_dir`` keeps whole shards on local disk once read (at
     most ``cache_bytes``, least recently used out first; ranks and workers of one machine can
     share it).

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..pipeline.order import SPAN_BYTES
 from ..storage.fs import ReadPolicy
 from .placement import LOCAL, check_workers
 from .workers import check_context
@@ -50,6 +51,9 @@ class LoaderSettings:
     """Samples in the shuffle buffer."""
     shuffle_bytes: int = _shapes(256 * 2**20)
     """Bytes the shuffle buffer may hold."""
+    span_bytes: int = _shapes(SPAN_BYTES)
+    """Bytes of neighbouring samples of a shard read with one ranged read (a chunk of the
+    pass's order): smaller mixes better, larger makes fewer requests."""
     tile_size: int = _shapes(512)
     """Side of an image tile, in pixels."""
     max_image_side: int = _shapes(1024)
@@ -96,8 +100,8 @@ class LoaderSettings:
     """fsspec options for bucket URLs (never saved in a state: they may hold credentials)."""
     read_policy: ReadPolicy | None = None
     """Block size, retries, backoff and timeout of ranged reads."""
-    read_ahead: int = 2
-    """Spans each worker reads ahead."""
+    read_ahead: int = 4
+    """Spans each worker reads at once, ahead of their use (0: one at a time, when needed)."""
     on_shard_error: str = "raise"
     """``"raise"``, or ``"skip"``: an unreadable shard's samples are counted as skipped."""
     cache_dir: str | None = None
@@ -122,6 +126,7 @@ class LoaderSettings:
             "batch_size",
             "shuffle_buffer",
             "shuffle_bytes",
+            "span_bytes",
             "tile_size",
             "max_image_side",
             "tokens_per_tile",
@@ -244,9 +249,15 @@ def resume_config(settings: LoaderSettings, **effective: Any) -> dict[str, Any]:
     return config
 
 
+# The value a state saved before the setting was recorded was made with: it is checked as
+# that (the places of such a state name other samples under another chunk size).
+_BEFORE_RECORDED = {"span_bytes": 8 * 2**20}
+
+
 def check_resume(saved: Mapping[str, Any], here: Mapping[str, Any]) -> None:
     """Refuse a saved ``config`` that differs from ``here`` in anything but the epoch length
     (a resumed run keeps its own), naming each difference."""
+    saved = {**{k: v for k, v in _BEFORE_RECORDED.items() if k in here}, **saved}
     differ = [k for k in here if k != "batches_per_epoch" and k in saved and saved[k] != here[k]]
     if differ:
         raise ValueError(

@@ -21,6 +21,10 @@ from .sources import DataSource
 # A span whose bytes are at most this is read in one go, however sparse its samples.
 DENSE_ENOUGH = 2**20
 
+SPAN_BYTES = 2**20
+"""The default chunk size: about this many bytes of neighbouring samples of a shard are read
+with one ranged read (8 MiB before 2026-12-01). Small, for mixing (see ``plan.py``)."""
+
 
 def _rng(*parts: Any) -> np.random.Generator:
     digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
@@ -74,6 +78,16 @@ def joins(start: int, stop: int, used: int, entry: dict, limit: int) -> bool:
     return hi - lo <= limit and (used + entry["size"]) * 4 >= hi - lo
 
 
+def one_read(entries: Sequence[dict]) -> bool:
+    """Whether ``entries`` (samples of one shard, in any order) are read with one ranged
+    read: while their samples fill at least a quarter of the bytes from the first to the last
+    (the samples of a chunk fill all of it), or those are at most 1 MB. Checked on the whole
+    set, not entry by entry, since a visit's samples come in a shuffled order."""
+    lo = min(e["offset"] for e in entries)
+    hi = max(e["offset"] + e["size"] for e in entries)
+    return hi - lo <= DENSE_ENOUGH or sum(e["size"] for e in entries) * 4 >= hi - lo
+
+
 class PassOrder:
     """The global order of one pass: every sample the pass holds, all sources together, as
     ``(source, shard, entry)`` at places ``0 .. size - 1``. A pure function of the sources,
@@ -91,22 +105,14 @@ class PassOrder:
     """
 
     def __init__(self, sources: Sequence[DataSource], seed: int, pass_: int, span_bytes: int):
-        parts = []  # (source, shard, first entry, stop) arrays
-        for number, source in enumerate(sources):
-            shard, first, stop = _chunks(source, span_bytes)
-            for _ in range(source.copies):
-                parts.append((np.full(len(shard), number), shard, first, stop))
-            if source.extra:
-                extra = _extra_visits(source, number, seed, pass_, shard, first, stop)
-                parts.append((np.full(len(extra[0]), number), *extra))
-        columns = [np.concatenate([p[i] for p in parts]) for i in range(4)] if parts else None
-        if columns is None:
-            columns = [np.zeros(0, dtype=np.int64)] * 4
+        columns = _unshuffled_visits(sources, seed, pass_, span_bytes)
         order = _rng("wdsvlm-pass", seed, pass_).permutation(len(columns[0]))
-        self.visit_source, self.visit_shard, self.first, self.stop = (
-            c.astype(np.int64)[order] for c in columns
-        )
-        self.starts = np.concatenate([[0], np.cumsum(self.stop - self.first)])
+        for i in range(4):  # a column at a time, so that few copies are held at once
+            columns[i] = columns[i][order]
+        del order
+        self.visit_source, self.visit_shard, self.first, self.stop = columns
+        self.starts = np.zeros(len(self.first) + 1, dtype=np.int64)
+        np.cumsum(self.stop - self.first, out=self.starts[1:])
         self.size = int(self.starts[-1])
         self._seed, self._pass = seed, pass_
         self._visits: OrderedDict[int, np.ndarray] = OrderedDict()
@@ -134,6 +140,27 @@ class PassOrder:
         return int(self.visit_source[v]), int(self.visit_shard[v]), entry
 
 
+def _unshuffled_visits(
+    sources: Sequence[DataSource], seed: int, pass_: int, span_bytes: int
+) -> list:
+    """The pass's visits before they are shuffled, as four int32 columns: source, shard, first
+    entry and stop. int32, since a shard's entries and a source's shards stay far below 2**31,
+    and a pass of 100M samples in 1 MiB chunks is about 6M visits."""
+    parts = []  # (source, shard, first entry, stop) arrays
+    for number, source in enumerate(sources):
+        shard, first, stop = _chunks(source, span_bytes)
+        for _ in range(source.copies):
+            parts.append((np.full(len(shard), number, np.int32), shard, first, stop))
+        if source.extra:
+            extra = _extra_visits(source, number, seed, pass_, shard, first, stop)
+            parts.append((np.full(len(extra[0]), number, np.int32), *extra))
+    if not parts:
+        return [np.zeros(0, dtype=np.int32)] * 4
+    if len(parts) == 1:
+        return [column.astype(np.int32, copy=False) for column in parts[0]]
+    return [np.concatenate([p[i] for p in parts]).astype(np.int32) for i in range(4)]
+
+
 def _chunks(source: DataSource, span_bytes: int):
     """``(shard, first entry, stop)`` of each chunk of the source, in shard order: runs of
     neighbouring samples of about ``span_bytes``, from each shard's sample count and bytes."""
@@ -141,11 +168,14 @@ def _chunks(source: DataSource, span_bytes: int):
     samples = np.fromiter((s["samples"] for s in shards), dtype=np.int64, count=len(shards))
     nbytes = np.fromiter((s.get("bytes") or 1 for s in shards), dtype=np.int64, count=len(shards))
     per_chunk = np.maximum(1, span_bytes * samples // np.maximum(1, nbytes))
+    per_chunk = np.minimum(per_chunk, np.maximum(1, samples))  # the same chunks, in int32
     counts = -(-samples // per_chunk)
-    shard = np.repeat(np.arange(len(shards)), counts)
-    within = np.arange(len(shard)) - np.repeat(np.cumsum(counts) - counts, counts)
-    first = within * per_chunk[shard]
-    return shard, first, np.minimum(first + per_chunk[shard], samples[shard])
+    shard = np.repeat(np.arange(len(shards), dtype=np.int32), counts)
+    first = np.arange(len(shard), dtype=np.int32)
+    first -= np.repeat((np.cumsum(counts) - counts).astype(np.int32), counts)  # in its shard
+    first *= per_chunk.astype(np.int32)[shard]
+    stop = np.minimum(first + per_chunk.astype(np.int32)[shard], samples.astype(np.int32)[shard])
+    return shard, first, stop
 
 
 def _extra_visits(source: DataSource, number: int, seed: int, pass_: int, shard, first, stop):

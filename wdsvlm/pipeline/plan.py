@@ -11,8 +11,11 @@ sample on any topology: that is what lets a checkpoint resume on another one.
 The order is built from chunks: runs of neighbouring samples of a shard of about
 ``span_bytes`` (from the shard's sample count and bytes), visited in seeded random order, the
 samples of each visit in seeded random order. A worker reads each visit with one ranged
-read (a few, where it takes only a sparse part of it), so the I/O is large ranged reads and
-the memory held is one span.
+read (a few, where it takes only a sparse part of it), several at once (``ReadSamples``).
+The chunk's size trades I/O for mixing: a shuffle buffer of ``B`` samples fed chunk by chunk
+holds about ``2 B / m`` chunks of ``m`` samples, so about ``m / 2B`` of a worker's consecutive
+samples come from one chunk whatever order the buffer draws in; ``SPAN_BYTES`` (1 MiB) keeps
+that under 1% for samples of 60 KB and more with the default buffer (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torch.utils.data import IterableDataset
 
 from ..errors import ShardFormatError, StorageError
 from . import order
-from .order import PassOrder, joins
+from .order import SPAN_BYTES, PassOrder, joins, one_read
 from .sources import DataSource, resolve_sources
 
 log = logging.getLogger("wdsvlm.plan")
@@ -120,7 +123,7 @@ class Plan(IterableDataset):
         seed: int = 0,
         epoch: int = 0,
         worker_config: WorkerConfig | None = None,
-        span_bytes: int = 8 * 2**20,
+        span_bytes: int = SPAN_BYTES,
         storage_options: Mapping[str, Any] | None = None,
         read_policy=None,
         samples_per_pass: int | None = None,
@@ -144,7 +147,7 @@ class Plan(IterableDataset):
         seed: int = 0,
         epoch: int = 0,
         worker_config: WorkerConfig | None = None,
-        span_bytes: int = 8 * 2**20,
+        span_bytes: int = SPAN_BYTES,
     ) -> Plan:
         """A plan over sources already resolved (indexes in memory)."""
         plan = cls.__new__(cls)
@@ -242,8 +245,9 @@ class Plan(IterableDataset):
             yield from self._cut(order, visit, pass_, places, worker)
 
     def _cut(self, order: PassOrder, v: int, pass_: int, places: Sequence[int], worker: int):
-        """Spans of ascending places of one visit, cut where an entry would not join
-        (``order.joins``)."""
+        """Spans of ascending places of one visit: one read where they fill it densely
+        enough (``order.one_read``; a whole visit always does), else cut where an entry
+        would not join (``order.joins``)."""
         source = self.sources[int(order.visit_source[v])]
         number = int(order.visit_shard[v])
         shard = source.index["shards"][number]
@@ -261,7 +265,10 @@ class Plan(IterableDataset):
             failed["failed"] = e
             yield failed
             return
-        yield from self._spans_of(source, number, found, pass_, worker)
+        if one_read([entry for entry, _ in found]):
+            yield self._span(source, number, found, pass_, worker)
+        else:
+            yield from self._spans_of(source, number, found, pass_, worker)
 
     def _spans_of(self, source, number: int, found: list[tuple], pass_: int, worker: int):
         """Spans of ``(entry, place)`` of one shard, in their order, a new read wherever the

@@ -2,8 +2,11 @@
 
 Each span is one ranged read of a shard through fsspec (``storage.read_range``: in blocks,
 retried where a transient fault broke it); the samples inside it are cut out by their index
-offsets. A background thread reads up to ``read_ahead`` spans ahead, so I/O overlaps the
-decoding downstream; nothing stays open between spans, and the thread ends with the stage.
+offsets. A background thread walks the plan and hands its spans to ``read_ahead`` reader
+threads, so up to ``read_ahead`` ranged reads run at once, ahead of the decoding downstream
+(the plan's chunks are small, for mixing: one read at a time would wait on each request's
+latency); the spans come out in the plan's order whatever order their reads end in. Nothing
+stays open between spans, and the threads end with the stage.
 A sample whose bytes are cut short (a truncated shard) or do not parse as tar members of its
 key is skipped and counted. A shard that cannot be read raises ``StorageError`` naming it, or
 with ``on_shard_error="skip"`` has its samples counted as skipped (``unreadable_shard``).
@@ -29,6 +32,16 @@ from .stats import SkipStats
 _DONE = object()
 
 
+class _Read:
+    """One span's read, handed from a reader thread to the consumer: its bytes (or the
+    ``StorageError``), or the exception of a bug, once ``done``."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.data: bytes | StorageError = b""
+        self.error: BaseException | None = None
+
+
 class ReadSamples:
     """Pipeline stage: plan spans -> samples.
 
@@ -44,7 +57,7 @@ class ReadSamples:
         *,
         stats: SkipStats | None = None,
         policy: ReadPolicy | None = None,
-        read_ahead: int = 2,
+        read_ahead: int = 4,
         on_shard_error: str = "raise",
         cache: ShardCache | None = None,
     ):
@@ -87,12 +100,16 @@ class ReadSamples:
             return e
 
     def _fetched(self, spans: Iterator[dict]) -> Iterator[tuple[dict, bytes | StorageError]]:
-        """``(span, its bytes or the error)`` in order, read ahead by a background thread."""
+        """``(span, its bytes or the error)`` in order, up to ``read_ahead`` read at once by
+        reader threads, the plan walked by a background thread."""
         if not self.read_ahead:
             for span in spans:
                 yield span, self._read(span)
             return
+        # ``ready`` holds reads in the plan's order, begun or done: its bound keeps the bytes
+        # held to a few spans. ``jobs`` hands the same reads to the readers, in that order.
         ready: queue.Queue = queue.Queue(maxsize=self.read_ahead)
+        jobs: queue.Queue = queue.Queue()
         stop = threading.Event()
 
         def put(item) -> bool:
@@ -104,29 +121,55 @@ class ReadSamples:
                     continue
             return False
 
-        def run():
+        def walk():
             try:
                 for span in spans:
-                    if not put((span, self._read(span, stop))):
+                    read = _Read()
+                    jobs.put((span, read))
+                    if not put((span, read)):
                         return
             except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
                 put((None, e))
                 return
+            finally:
+                for _ in readers:
+                    jobs.put(None)  # each reader ends after the reads handed out
             put((_DONE, None))
 
-        thread = threading.Thread(target=run, name="wdsvlm-read-ahead", daemon=True)
-        thread.start()
+        def read_jobs():
+            while (job := jobs.get()) is not None:
+                span, read = job
+                if stop.is_set():  # the stage is closing: nothing will take it
+                    read.done.set()
+                    continue
+                try:
+                    read.data = self._read(span, stop)
+                except BaseException as e:  # noqa: BLE001 - a bug: raised in its place
+                    read.error = e
+                read.done.set()
+
+        readers = [
+            threading.Thread(target=read_jobs, name=f"wdsvlm-read-{i}", daemon=True)
+            for i in range(self.read_ahead)
+        ]
+        walker = threading.Thread(target=walk, name="wdsvlm-read-ahead", daemon=True)
+        for thread in [*readers, walker]:
+            thread.start()
         try:
             while True:
-                span, data = ready.get()
+                span, read = ready.get()
                 if span is _DONE:
                     return
                 if span is None:
-                    raise data
-                yield span, data
+                    raise read
+                read.done.wait()
+                if read.error is not None:
+                    raise read.error
+                yield span, read.data
         finally:
             stop.set()
-            thread.join()
+            for thread in [walker, *readers]:
+                thread.join()
 
     def __call__(self, spans: Iterator[dict]) -> Iterator[dict]:
         failed: set[tuple] = set()  # (url, pass): a shard given up on, for this pass
