@@ -108,8 +108,8 @@ def energon_encoder(args):
 
     from wdsvlm.format.images import image_members
     from wdsvlm.loader.build import pad_of  # the Loader's padding token
+    from wdsvlm.pipeline.collate import collate_rows
     from wdsvlm.pipeline.packer import best_fit_decreasing
-    from wdsvlm.pipeline.tokenize import IGNORE_INDEX
 
     @stateless
     def raw(sample: dict) -> dict:
@@ -157,51 +157,18 @@ def energon_encoder(args):
 
         @stateless
         def pack_selected_samples(self, samples: list[dict]) -> dict:
-            return {
-                "__restore_key__": (),
-                "input_ids": np.concatenate([s["input_ids"] for s in samples]),
-                "labels": np.concatenate([s["labels"] for s in samples]),
-                "lengths": [len(s["input_ids"]) for s in samples],
-                "keys": [f"{s['__shard__']}/{s['__key__']}" for s in samples],
-                "image_tiles": [t for s in samples for t in s["image_tiles"]],
-                "pixels": [s["pixel_values"] for s in samples],
-            }
+            return {"__restore_key__": (), "samples": samples}
 
         @stateless
         def batch(self, packs: list[dict]) -> dict:
-            b, length = self.batch_size, self.max_length
-            input_ids = np.full((b, length), self.pad, dtype=np.int64)
-            labels = np.full((b, length), IGNORE_INDEX, dtype=np.int64)
-            attention = np.zeros((b, length), dtype=np.int64)
-            positions = np.zeros((b, length), dtype=np.int64)
-            segments = []
-            for r in range(b):
-                lengths = packs[r]["lengths"] if r < len(packs) else []
-                n = sum(lengths)
-                if r < len(packs):
-                    input_ids[r, :n] = packs[r]["input_ids"]
-                    labels[r, :n] = packs[r]["labels"]
-                    attention[r, :n] = 1
-                at = 0
-                for k in [*lengths, length - n] if n < length else lengths:
-                    positions[r, at : at + k] = np.arange(k)
-                    segments.append(k)
-                    at += k
-            labels_t = torch.from_numpy(labels)
-            return {
-                "input_ids": torch.from_numpy(input_ids),
-                "attention_mask": torch.from_numpy(attention),
-                "labels": labels_t,
-                "position_ids": torch.from_numpy(positions),
-                "cu_seqlens": torch.from_numpy(np.cumsum([0, *segments], dtype=np.int32)),
-                "max_seqlen": max(segments),
-                "pixel_values": torch.cat([p for pack in packs for p in pack["pixels"]]),
-                "image_tiles": torch.tensor(
-                    [t for pack in packs for t in pack["image_tiles"]], dtype=torch.long
-                ),
-                "num_loss_tokens": (labels_t != IGNORE_INDEX).sum(),
-                "sample_keys": [pack["keys"] for pack in packs] + [[]] * (b - len(packs)),
-            }
+            """The rows padded to ``[batch_size, max_length]`` by the Loader's own
+            ``collate_rows``, the tiles concatenated in row order."""
+            rows = [pack["samples"] for pack in packs]
+            rows += [[] for _ in range(self.batch_size - len(rows))]
+            pixels = [s["pixel_values"] for row in rows for s in row]
+            side = self.family.unit_size
+            empty = torch.empty((0, 3, side, side), dtype=torch.uint8)
+            return collate_rows(rows, self.max_length, self.pad, torch.cat([empty, *pixels]))
 
     return SameWork()
 
