@@ -450,6 +450,35 @@ def test_spawned_workers_start_while_the_first_batch_is_made_here(caplog):
     assert made == [f"batch 0 of epoch {e} is made here while the workers start" for e in (0, 1)]
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_persistent_workers_persist_whether_or_not_a_first_batch_is_made_here(workers, caplog):
+    """One persistent worker goes on with its stream after a first batch made here; with more,
+    none is made here (each worker would then play the next one's stream, and the next epoch
+    would need new workers): either way the same workers serve every epoch."""
+    import logging
+
+    loader = wdsvlm.Loader(
+        EXAMPLE,
+        TOKENIZER,
+        num_workers=workers,
+        multiprocessing_context="spawn",
+        persistent_workers=True,
+        batches_per_epoch=2 * workers,
+        **SMALL,
+    )
+    before = {p.pid for p in multiprocessing.active_children()}
+    seen = []
+    with caplog.at_level(logging.DEBUG, logger="wdsvlm.loader"):
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            assert len(list(loader)) == 2 * workers
+            seen.append({p.pid for p in multiprocessing.active_children()} - before)
+    assert len(seen[0]) == workers and seen[0] == seen[1] == seen[2]
+    made = [r for r in caplog.records if "made here" in r.getMessage()]
+    assert len(made) == (1 if workers == 1 else 0)
+    loader.close()
+
+
 def test_a_resumed_epoch_whose_first_batch_is_made_here_goes_on_exactly():
     """From a saved state, the batch made here starts from samples read again; the worker that
     goes on from it takes the samples its buffers hold from this process (some cut by

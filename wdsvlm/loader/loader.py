@@ -229,7 +229,10 @@ class Loader:
                 check_main_guarded(options["multiprocessing_context"].get_start_method())
             self._dataloader = DataLoader(self.stream, **options)
         context = options.get("multiprocessing_context")
-        if starting and workers_start_slowly(context):
+        # not with persistent workers (more than one): after a batch made here each would play
+        # the next one's stream, and the next epoch would need a new set to play their own
+        shifted = options["persistent_workers"] and workers > 1
+        if starting and not shifted and workers_start_slowly(context):
             import torch
 
             pin = options["pin_memory"] and torch.cuda.is_available()
