@@ -21,10 +21,11 @@ SMALL = {"max_length": 256, "batch_size": 2, "tile_size": 32, "max_image_side": 
 
 
 def started_workers(loader) -> tuple[list, object]:
-    """The processes that starting ``loader``'s workers (its first batch) added, and the
-    running iterator."""
+    """The processes that starting ``loader``'s workers (its first two batches: the first may
+    be made in this process while they start) added, and the running iterator."""
     before = {p.pid for p in multiprocessing.active_children()}
     batches = iter(loader)
+    next(batches)
     next(batches)
     workers = [p for p in multiprocessing.active_children() if p.pid not in before]
     assert len(workers) == loader.settings.num_workers
@@ -335,3 +336,206 @@ def test_the_fork_server_and_workers_exit_when_the_training_process_is_killed(tm
                 pass
             trainer.kill()
             trainer.wait()
+
+
+FIRST_START = f"""
+import json, logging, os, sys
+import torch
+import wdsvlm
+
+SMALL = dict(max_length=256, batch_size=2, tile_size=32, max_image_side=64, tokens_per_tile=4)
+
+
+def children():
+    '''The command lines of this process's children.'''
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{{name}}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{{name}}/cmdline", "rb") as f:
+                command = f.read().replace(bytes(1), b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if parent == os.getpid():
+            found.append(command)
+    return found
+
+
+def epochs(loader):
+    out = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        out += list(loader)
+    return out
+
+
+def main():
+    logging.basicConfig(stream=sys.stderr, level=logging.DEBUG, format="%(name)s: %(message)s")
+    before = children()
+    loader = wdsvlm.Loader({EXAMPLE!r}, {TOKENIZER!r}, num_workers=2, **SMALL)
+    made = children()  # nothing iterated yet
+    batches = epochs(loader)
+    stats = loader.stats()
+    forked = wdsvlm.Loader({EXAMPLE!r}, {TOKENIZER!r}, num_workers=2,
+                           multiprocessing_context="fork", **SMALL)
+    expected = epochs(forked)
+    assert len(batches) == len(expected) > 2, (len(batches), len(expected))
+    for ours, theirs in zip(batches, expected):
+        assert ours["sample_keys"] == theirs["sample_keys"]
+        assert ours.keys() == theirs.keys()
+        for name, value in ours.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, theirs[name]), name
+    assert stats == forked.stats()
+    print(json.dumps({{"before": before, "made": made, "batches": len(batches)}}))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_fork_server_starts_with_the_loader_and_the_first_batch_is_made_meanwhile(tmp_path):
+    """In a fresh process the fork server starts when the Loader is made (its imports overlap
+    the set-up), and while the first workers wait for it, the training process makes the first
+    batch itself; the batches and stats are those of workers alone, bit for bit."""
+    script = tmp_path / "first_start.py"
+    script.write_text(FIRST_START)
+    run = run_process(
+        [sys.executable, str(script)], timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
+    assert run.returncode == 0, run.stdout[-1000:] + run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not [c for c in result["before"] if "forkserver" in c]
+    assert [c for c in result["made"] if "forkserver" in c], result["made"]
+    # made here once: the fork server is up for the second epoch and the second loader
+    assert run.stderr.count("is made here while the workers start") == 1, run.stderr[-3000:]
+    assert "wdsvlm.loader: batch 0 of epoch 0 is made here" in run.stderr
+
+
+def test_spawned_workers_start_while_the_first_batch_is_made_here(caplog):
+    """``spawn``'s workers import everything at every start: the first batch of every epoch is
+    made here meanwhile, and the batches are those of forked workers."""
+    import logging
+
+    import torch
+
+    spawned = wdsvlm.Loader(
+        EXAMPLE,
+        TOKENIZER,
+        num_workers=2,
+        multiprocessing_context="spawn",
+        batches_per_epoch=4,
+        **SMALL,
+    )
+    forked = wdsvlm.Loader(
+        EXAMPLE,
+        TOKENIZER,
+        num_workers=2,
+        multiprocessing_context="fork",
+        batches_per_epoch=4,
+        **SMALL,
+    )
+    with caplog.at_level(logging.DEBUG, logger="wdsvlm.loader"):
+        for epoch in range(2):
+            spawned.set_epoch(epoch)
+            forked.set_epoch(epoch)
+            for ours, theirs in zip(spawned, forked, strict=True):
+                assert ours["sample_keys"] == theirs["sample_keys"]
+                assert torch.equal(ours["pixel_values"], theirs["pixel_values"])
+    made = [r.getMessage() for r in caplog.records if "made here" in r.getMessage()]
+    assert made == [f"batch 0 of epoch {e} is made here while the workers start" for e in (0, 1)]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_persistent_workers_persist_whether_or_not_a_first_batch_is_made_here(workers, caplog):
+    """One persistent worker goes on with its stream after a first batch made here; with more,
+    none is made here (each worker would then play the next one's stream, and the next epoch
+    would need new workers): either way the same workers serve every epoch."""
+    import logging
+
+    loader = wdsvlm.Loader(
+        EXAMPLE,
+        TOKENIZER,
+        num_workers=workers,
+        multiprocessing_context="spawn",
+        persistent_workers=True,
+        batches_per_epoch=2 * workers,
+        **SMALL,
+    )
+    before = {p.pid for p in multiprocessing.active_children()}
+    seen = []
+    with caplog.at_level(logging.DEBUG, logger="wdsvlm.loader"):
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            assert len(list(loader)) == 2 * workers
+            seen.append({p.pid for p in multiprocessing.active_children()} - before)
+    assert len(seen[0]) == workers and seen[0] == seen[1] == seen[2]
+    made = [r for r in caplog.records if "made here" in r.getMessage()]
+    assert len(made) == (1 if workers == 1 else 0)
+    loader.close()
+
+
+def test_a_resumed_epoch_whose_first_batch_is_made_here_goes_on_exactly():
+    """From a saved state, the batch made here starts from samples read again; the worker that
+    goes on from it takes the samples its buffers hold from this process (some cut by
+    truncation, some still untokenized), and every batch is the one forked workers give."""
+    import torch
+
+    settings = dict(SMALL, truncate=True, batches_per_epoch=8, shuffle_buffer=40, pack_window=30)
+    first = wdsvlm.Loader(EXAMPLE, TOKENIZER, num_workers=2, **settings)
+    batches = iter(first)
+    for _ in range(3):
+        next(batches)
+    state = first.state_dict()
+    batches.close()
+    runs = []
+    for context in ("spawn", "fork"):
+        loader = wdsvlm.Loader(
+            EXAMPLE, TOKENIZER, num_workers=2, multiprocessing_context=context, **settings
+        )
+        loader.load_state_dict(state)
+        runs.append(list(loader))
+        assert loader.stats()["truncated"] > 0
+    spawned, forked = runs
+    assert len(spawned) == len(forked) == 5
+    for ours, theirs in zip(spawned, forked, strict=True):
+        assert ours["sample_keys"] == theirs["sample_keys"]
+        for name, value in ours.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, theirs[name]), name
+
+
+def test_stopping_after_the_batch_made_here_stops_the_starting_workers():
+    before = {p.pid for p in multiprocessing.active_children()}
+    loader = wdsvlm.Loader(
+        EXAMPLE, TOKENIZER, num_workers=2, multiprocessing_context="spawn", **SMALL
+    )
+    batches = iter(loader)
+    assert next(batches)["sample_keys"]
+    batches.close()  # while the workers may still be starting
+    workers = [p for p in multiprocessing.active_children() if p.pid not in before]
+    assert not workers, f"workers still running after the iteration stopped: {workers}"
+
+
+def test_an_error_in_the_batch_made_here_stops_the_starting_workers(tmp_path):
+    """The batch made in the training process fails (its shards went away): the error comes,
+    and the workers that were starting meanwhile (one of them waiting for that batch's
+    state) are stopped, none left waiting."""
+    import glob
+    import shutil
+
+    data = str(tmp_path / "ds")
+    shutil.copytree(EXAMPLE, data)
+    loader = wdsvlm.Loader(data, TOKENIZER, num_workers=2, multiprocessing_context="spawn", **SMALL)
+    for shard in glob.glob(os.path.join(data, "*.tar")):
+        os.remove(shard)
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(wdsvlm.StorageError):
+        for _ in loader:
+            pass
+    workers = [p for p in multiprocessing.active_children() if p.pid not in before]
+    assert not workers, f"workers still running after the error: {workers}"

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..errors import WdsvlmError
+from .bridge import first_batch_here
 from .build import build
 from .placement import RayWorkers
 from .report import Yielded, epoch_stats
@@ -25,7 +26,7 @@ from .resume import resume_point, topology_of
 from .settings import settings_from, signature_with_settings
 from .state import LoaderState, WorkerState
 from .stream import STATE_KEY, STATS_KEY
-from .workers import check_main_guarded
+from .workers import check_main_guarded, workers_start_slowly
 
 log = logging.getLogger("wdsvlm.loader")
 
@@ -205,22 +206,37 @@ class Loader:
             raise
         if self._done != total:
             raise WdsvlmError(f"epoch {self._epoch} ended after {self._done} of {total} batches")
-        self._reusable = whole and not self._on_ray  # each worker's stream stands at its end
+        # each worker's stream stands at its end, and plays the role it will play next epoch
+        # (not so after a batch made here: ``bridge.py``)
+        aligned = self.stream.job["done"] % self.worker_config.workers_per_rank == 0
+        self._reusable = whole and not self._on_ray and aligned
 
     @property
     def _on_ray(self) -> bool:
         return isinstance(self.settings.workers, RayWorkers)
 
     def _local_batches(self) -> Iterator[dict]:
-        """The epoch's batches from the DataLoader (its workers on this node, or none)."""
+        """The epoch's batches from the DataLoader (its workers on this node, or none). When
+        its workers start now, and slowly, the first batch is made here meanwhile
+        (``bridge.py``)."""
         from torch.utils.data import DataLoader
 
+        options = self.dataloader_options
+        workers = options["num_workers"]
+        starting = workers and (self._dataloader is None or not options["persistent_workers"])
         if self._dataloader is None:  # kept, so that persistent workers persist
-            if self.dataloader_options["num_workers"]:
-                check_main_guarded(
-                    self.dataloader_options["multiprocessing_context"].get_start_method()
-                )
-            self._dataloader = DataLoader(self.stream, **self.dataloader_options)
+            if workers:
+                check_main_guarded(options["multiprocessing_context"].get_start_method())
+            self._dataloader = DataLoader(self.stream, **options)
+        context = options.get("multiprocessing_context")
+        # not with persistent workers (more than one): after a batch made here each would play
+        # the next one's stream, and the next epoch would need a new set to play their own
+        shifted = options["persistent_workers"] and workers > 1
+        if starting and not shifted and workers_start_slowly(context):
+            import torch
+
+            pin = options["pin_memory"] and torch.cuda.is_available()
+            return first_batch_here(self.stream, self._dataloader, context, pin)
         return iter(self._dataloader)
 
     def _ray_batches(self, total: int) -> Iterator[dict]:

@@ -24,6 +24,7 @@ ranks of a run resume on another topology (``elastic.py``).
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,8 @@ class LiveStream:
     left: int = 0
     read_since_batch: int = 0
     accepted_at: int = 0
+    seen: dict | None = None
+    """The samples taken in so far, by place (kept only when asked: ``play(keep=True)``)."""
 
     @property
     def pack(self) -> PackRun:
@@ -137,6 +140,14 @@ class Stream(IterableDataset):
         other.__dict__.update({**self.__dict__, "_live": None, "carry_environ": False})
         return other
 
+    def private_copy(self) -> Stream:
+        """A copy that shares no object with this one (pickled, with the plan's epoch a number
+        of its own), for this process to play a stream on while workers start from this one
+        (``bridge.py``)."""
+        other = self.portable()
+        other.plan = self.plan.detached()
+        return pickle.loads(pickle.dumps(other))
+
     def __setstate__(self, state: dict) -> None:
         environ = state.pop("_environ", None)
         if environ is not None and environ != dict(os.environ):
@@ -175,16 +186,40 @@ class Stream(IterableDataset):
                     f"the loader asked for epoch {epoch} but set up epoch {job['epoch']}"
                 )
             role = (job["done"] + worker) % self.workers
-            live = self._live = self._start(role, epoch, job["states"][role])
+            state, held = job["states"][role], None
+            handover = job.pop("handover", None)
+            if handover is not None:  # the training process made a batch while we started
+                state, held = self._handed_over(handover, role, state)
+            live = self._live = self._start(role, epoch, state, held)
             live.left = quota(job["done"], self.batches_per_epoch, self.workers, role)
         return self._take(live)
 
-    def play(self, role: int, epoch: int, state: WorkerState, left: int) -> Iterator[dict]:
+    def _handed_over(
+        self, handover: Any, role: int, state: WorkerState | None
+    ) -> tuple[WorkerState, dict | None]:
+        """``(state, None)``; or where ``state`` is None, the state of stream ``role`` after
+        the batch the training process made of it while this worker started (``bridge.py``)
+        and the samples its stages held then (``held_samples``), once they come. Every
+        worker is given the connection; each closes it."""
+        try:
+            return handover.recv() if state is None else (state, None)
+        except EOFError:
+            raise WdsvlmError(
+                f"the training process stopped before it handed over stream {role}, which it "
+                "played while this worker started"
+            ) from None
+        finally:
+            handover.close()
+
+    def play(
+        self, role: int, epoch: int, state: WorkerState, left: int, keep: bool = False
+    ) -> Iterator[dict]:
         """The next ``left`` batches of worker ``role``'s stream in ``epoch``, from ``state``:
         what a worker running elsewhere (a Ray actor) yields, the same as the DataLoader
-        worker that plays ``role`` would."""
+        worker that plays ``role`` would. ``keep``: keep the samples taken in, for
+        ``held_samples``."""
         self.skips.reset()
-        live = self._live = self._start(role, epoch, state)
+        live = self._live = self._start(role, epoch, state, keep=keep)
         live.left = left
         return self._take(live)
 
@@ -209,19 +244,45 @@ class Stream(IterableDataset):
             }
             yield batch
 
-    def _start(self, role: int, epoch: int, state: WorkerState) -> LiveStream:
+    def _start(
+        self,
+        role: int,
+        epoch: int,
+        state: WorkerState,
+        held: dict | None = None,
+        keep: bool = False,
+    ) -> LiveStream:
         """The stream of worker ``role`` from ``state`` (fresh, or a captured one: the
-        samples its stages held are read again, and each stage restored from its state)."""
+        samples its stages held are read again, or taken from ``held``, and each stage
+        restored from its state). ``keep``: note the samples taken in (``LiveStream.seen``)."""
         worker = self.plan.worker_config.global_worker(role)
-        again = self._read_again(worker, state.held_places())
+        if held is None:
+            again = self._read_again(worker, state.held_places())
+            fetchers = [self._fetcher(again, self.stages[:k]) for k in range(len(self.stages))]
+        else:  # as the stages held them: no stage before has to pass them again
+            again = held
+            fetchers = [lambda places: [held.get(tuple(p)) for p in places]] * len(self.stages)
         reader = self.read(self._spans(worker, state.read))
-        live = LiveStream(role, epoch, worker, state.read, reader)
+        live = LiveStream(role, epoch, worker, state.read, reader, seen={} if keep else None)
         upstream: Iterator = self._watched(reader, live)
-        for k, (stage, saved) in enumerate(zip(self.stages, state.stages(), strict=True)):
-            upstream = stage.restore(saved, upstream, self._fetcher(again, self.stages[:k]))
+        for stage, saved, fetch in zip(self.stages, state.stages(), fetchers, strict=True):
+            upstream = stage.restore(saved, upstream, fetch)
             live.runs.append(upstream)
+        if live.seen is not None:
+            live.seen.update(again)  # taken back by the stages, each in its form there
         live.batches = map(self.collate, upstream)
         return live
+
+    def held_samples(self, state: WorkerState) -> dict[tuple, dict]:
+        """The samples that the stages of the stream played last hold in ``state`` (taken
+        after its last batch), by place, each as its stage holds it (a stage changes a
+        sample in place as it passes it on): what a process that goes on from ``state`` may
+        take instead of reading them again. The stream must have been played with
+        ``keep=True``."""
+        seen = self._live.seen if self._live is not None else None
+        if seen is None:
+            raise WdsvlmError("held_samples() needs a stream played with keep=True")
+        return {tuple(p): seen[tuple(p)] for p in state.held_places() if tuple(p) in seen}
 
     def capture(self, live: LiveStream) -> WorkerState:
         """The stream's state now: small lists of places, no sample bytes. What is left to
@@ -275,6 +336,8 @@ class Stream(IterableDataset):
         share = stop - start
         limit = 2 * share + self.shuffle.buffer_size + self.tokenize.batch_size + 1
         for sample in samples:
+            if live.seen is not None:
+                live.seen[sample["__pass__"], sample["__pos__"]] = sample
             live.read_since_batch += 1
             if live.read_since_batch > limit and live.pack.accepted == live.accepted_at:
                 raise WdsvlmError(self._no_progress(live, share))

@@ -19,6 +19,11 @@ server exits only once every copy is closed; torch's watchdog in each worker che
 parent, the fork server, lives. So a training process killed outright (SIGKILL, the OOM
 killer) left its fork server and workers running for good, each keeping the other alive.
 ``exit_with_training_process`` breaks that circle in each worker as it starts.
+
+Until the fork server has done its imports (about 1.5 s, once per process; ``spawn``'s workers
+import at every start) new workers cannot start, and the training process would wait with
+nothing to do: ``workers_start_slowly`` says when that is so, and the Loader then makes the
+first batch itself meanwhile (``bridge.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 log = logging.getLogger("wdsvlm.workers")
@@ -39,6 +45,9 @@ CONTEXTS = ("forkserver", "spawn", "fork")
 _PRELOAD = ("wdsvlm.loader.stream",)
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+_server_ready = threading.Event()  # set once this process's fork server has started a process
+_server_watch: list[threading.Thread] = []  # the thread that waits for it, once per process
 
 
 def default_context() -> str:
@@ -74,7 +83,40 @@ def worker_context(name: str, preload: tuple[str, ...] = ()) -> Any:
         if wanted:
             context.set_forkserver_preload(current + wanted)
         forkserver.ensure_running()  # returns at once; the server imports in the background
+        watch_server(context)
     return context
+
+
+def watch_server(context: Any) -> None:
+    """Start (once per process) a thread that starts a process doing nothing through the fork
+    server: ``start()`` returns once the server has done its imports and forked it, and then
+    ``workers_start_slowly`` is false. The thread ends with that process."""
+    if _server_watch:
+        return
+
+    def probe() -> None:
+        process = context.Process(target=os.getpid, daemon=True, name="wdsvlm-probe")
+        try:
+            process.start()
+            process.join()
+        except Exception as e:  # noqa: BLE001 - no server: the workers' own start will say why
+            log.debug("the fork server did not start a process: %s", e)
+            return
+        _server_ready.set()
+
+    thread = threading.Thread(target=probe, daemon=True, name="wdsvlm-fork-server-watch")
+    _server_watch.append(thread)
+    thread.start()
+
+
+def workers_start_slowly(context: Any) -> bool:
+    """Whether DataLoader workers started now with ``context`` take seconds before they can
+    work: ``spawn``'s each import torch and the pipeline; the fork server's wait until it has
+    done its imports (``watch_server``). ``fork``'s start at once."""
+    method = context.get_start_method()
+    if method == "forkserver":
+        return not _server_ready.is_set()
+    return method == "spawn"
 
 
 def exit_with_training_process(worker_id: int) -> None:

@@ -20,6 +20,7 @@ that under 1% for samples of 60 KB and more with the default buffer (docs/perfor
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections import OrderedDict
@@ -185,6 +186,13 @@ class Plan(IterableDataset):
 
             value = mp.Value("q", self._epoch, lock=False)
             self._epoch = value
+
+    def detached(self) -> Plan:
+        """A copy whose epoch is a plain number of its own (a shared one pickles only into a
+        process being started), for a copy of the pipeline that this process plays itself."""
+        other = copy.copy(self)
+        other._epoch = self.epoch
+        return other
 
     @property
     def num_samples(self) -> int:
