@@ -20,6 +20,7 @@ from ..format.images import (
     image_members,
     image_size,
 )
+from .memory import shared_uint8
 from .stats import SkipStats
 
 if TYPE_CHECKING:
@@ -90,14 +91,12 @@ class DecodeImages:
 
 def uint8_tiles(n_tiles: int, tile: int) -> torch.Tensor:
     """An empty ``[n_tiles, 3, tile, tile]`` uint8 tensor; inside a DataLoader worker it lives
-    in shared memory, so it crosses to the training process without a copy."""
+    in shared memory, so it crosses to the training process without a copy (``memory.py``:
+    how its pages are made cheap to write)."""
     import torch
     from torch.utils.data import get_worker_info
 
     shape = (n_tiles, 3, tile, tile)
     if get_worker_info() is None:
         return torch.empty(shape, dtype=torch.uint8)
-    # made in shared memory at once: share_memory_() on a private tensor would fault in and
-    # copy a private buffer first
-    storage = torch.UntypedStorage._new_shared(n_tiles * 3 * tile * tile)
-    return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+    return shared_uint8(shape)
