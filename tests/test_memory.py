@@ -1,12 +1,14 @@
-"""The shared memory a DataLoader worker makes a batch's tiles in (wdsvlm/pipeline/memory.py)."""
+"""The memory a batch's tiles are made in, its pages mapped before the tiles are written
+(wdsvlm/pipeline/memory.py)."""
 
 import os
 import re
 import sys
 
+import pytest
 import torch
 
-from wdsvlm.pipeline.memory import populate, shared_uint8
+from wdsvlm.pipeline.memory import populate, private_uint8, shared_uint8
 
 TILE = 64
 
@@ -32,20 +34,26 @@ def kernel_populates() -> bool:
     return (major, minor) >= (5, 14)
 
 
-def test_a_shared_tile_tensor_has_its_pages_mapped_before_a_byte_is_written():
+@pytest.mark.parametrize(
+    "make, tiles, tile",
+    # private: large enough for a mapping of its own (glibc maps 32 MiB and more apart)
+    [(shared_uint8, 40, TILE), (private_uint8, 50, 512)],
+    ids=["shared (a worker)", "private (the training process)"],
+)
+def test_a_tile_tensor_has_its_pages_mapped_before_a_byte_is_written(make, tiles, tile):
     """The pages are mapped in one call, not faulted in one at a time as the tiles' planes
     are written (where the kernel can: Linux 5.14 and later)."""
-    tiles = shared_uint8((40, 3, TILE, TILE))
-    nbytes = 40 * 3 * TILE * TILE
-    assert tiles.is_shared() and tiles.is_contiguous() and tiles.dtype == torch.uint8
-    assert tiles.shape == (40, 3, TILE, TILE)
-    mapped = resident_kib(tiles.data_ptr())
+    out = make((tiles, 3, tile, tile))
+    nbytes = tiles * 3 * tile * tile
+    assert out.is_shared() == (make is shared_uint8)
+    assert out.is_contiguous() and out.dtype == torch.uint8 and out.shape == (tiles, 3, tile, tile)
+    mapped = resident_kib(out.data_ptr())
     if kernel_populates():
         assert mapped * 1024 >= nbytes
     else:
         assert mapped * 1024 < nbytes
-    tiles.copy_(torch.arange(tiles.numel(), dtype=torch.int64).view(tiles.shape) % 251)
-    assert int(tiles.view(-1)[-1]) == (tiles.numel() - 1) % 251
+    out.view(-1).copy_(torch.arange(nbytes, dtype=torch.int64) % 251)
+    assert int(out.view(-1)[-1]) == (nbytes - 1) % 251
 
 
 def test_a_fresh_private_mapping_is_populated_and_says_so():
@@ -63,6 +71,7 @@ def test_a_fresh_private_mapping_is_populated_and_says_so():
     area.close()
 
 
-def test_an_empty_shared_tile_tensor():
-    tiles = shared_uint8((0, 3, TILE, TILE))
+@pytest.mark.parametrize("make", [shared_uint8, private_uint8])
+def test_an_empty_tile_tensor(make):
+    tiles = make((0, 3, TILE, TILE))
     assert tiles.shape == (0, 3, TILE, TILE) and tiles.numel() == 0

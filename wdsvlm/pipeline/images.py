@@ -20,7 +20,7 @@ from ..format.images import (
     image_members,
     image_size,
 )
-from .memory import shared_uint8
+from .memory import private_uint8, shared_uint8
 from .stats import SkipStats
 
 if TYPE_CHECKING:
@@ -93,10 +93,7 @@ def uint8_tiles(n_tiles: int, tile: int) -> torch.Tensor:
     """An empty ``[n_tiles, 3, tile, tile]`` uint8 tensor; inside a DataLoader worker it lives
     in shared memory, so it crosses to the training process without a copy (``memory.py``:
     how its pages are made cheap to write)."""
-    import torch
     from torch.utils.data import get_worker_info
 
     shape = (n_tiles, 3, tile, tile)
-    if get_worker_info() is None:
-        return torch.empty(shape, dtype=torch.uint8)
-    return shared_uint8(shape)
+    return private_uint8(shape) if get_worker_info() is None else shared_uint8(shape)

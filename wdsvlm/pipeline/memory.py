@@ -1,17 +1,23 @@
-"""Shared memory for a batch's tiles in a DataLoader worker, its pages mapped before writing.
+"""Memory for a batch's tiles, its pages mapped before the tiles are written.
 
 A batch's tiles (tens to hundreds of MB) go into memory made afresh for every batch: none of it
 can be reused, since the training process holds a batch as long as it likes. Every page is then
-touched for the first time while the tiles are written, one page fault per 4 KiB, and the
-tiles' three planes are written side by side, three pages faulting in turn. In a worker that
-memory is shared (so the batch crosses to the training process without a copy), and mapping
-its pages in one call first (``MADV_POPULATE_WRITE``, Linux 5.14 and later) cut a worker's
-CPU time by about a tenth (docs/performance.md, "Worker start"). Where the kernel cannot, the
-pages fault in as they are written, as before.
+touched for the first time while the tiles are written, and the tiles' three planes are written
+side by side, three pages faulting in turn, one fault per 4 KiB: in the Loader with 0 workers
+that cost more than a tenth of its time. Mapping the pages in one call first
+(``MADV_POPULATE_WRITE``, Linux 5.14 and later) does the same work in the kernel in one sweep:
+writing 128 tiles of 512 px took 45-47 ms instead of 67-71 in private memory, 75-82 instead of
+94-102 in shared memory (docs/performance.md, "Fresh memory for the tiles"). Where the kernel
+cannot, the pages fault in as they are written, as before.
 
-Huge pages for the training process's own batches (0 workers) were tried too: faster in a
-loop that only writes tiles, slower in the Loader (the kernel assembling 2 MiB pages amid the
-decoder's allocations), so not made.
+- ``private_uint8``: in the process that trains (0 workers, the first batch made while workers
+  start, Ray actors).
+- ``shared_uint8``: in a DataLoader worker, so that the batch crosses to the training process
+  without a copy.
+
+Huge pages (``MADV_HUGEPAGE``) were tried for the private memory too: faster in a loop that only
+writes tiles, slower in the Loader (the kernel assembling 2 MiB pages amid the decoder's
+allocations), so not made.
 """
 
 from __future__ import annotations
@@ -25,6 +31,16 @@ from typing import Any
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
 
 _libc: list = []  # loaded once, where there is one
+
+
+def private_uint8(shape: tuple[int, ...]) -> Any:
+    """An uninitialised uint8 tensor of ``shape``, its pages mapped."""
+    import torch
+
+    tensor = torch.empty(shape, dtype=torch.uint8)
+    if tensor.numel():
+        populate(tensor.data_ptr(), tensor.numel())
+    return tensor
 
 
 def shared_uint8(shape: tuple[int, ...]) -> Any:
