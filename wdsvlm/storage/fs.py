@@ -261,7 +261,7 @@ def read_range(
     """
     policy = policy or ReadPolicy()
     fs, path = filesystem(url, storage_options)
-    out = bytearray()
+    parts: list = []  # what each request gave, joined at the end (one request: no copy)
     at, failures = start, 0
     while stop is None or at < stop:
         if cancel is not None and cancel.is_set():
@@ -294,12 +294,14 @@ def read_range(
             continue
         if not data:
             break  # the object ends before stop
-        out += data
+        parts.append(data)
         at += len(data)
         failures = 0
         if stop is None:
             break
-    return bytes(out)
+    if len(parts) == 1 and type(parts[0]) is bytes:
+        return parts[0]
+    return b"".join(parts)
 
 
 def _ignore_outcome(task) -> None:
