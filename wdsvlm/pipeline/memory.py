@@ -72,8 +72,11 @@ def _load_libc() -> Any:
     if not _libc:
         libc = None
         if sys.platform == "linux":
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            libc.madvise.restype = ctypes.c_int
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                libc.madvise.restype = ctypes.c_int
+            except (OSError, AttributeError):  # no C library to call: pages fault in as written
+                libc = None
         _libc.append(libc)
     return _libc[0]
