@@ -339,7 +339,7 @@ def test_the_fork_server_and_workers_exit_when_the_training_process_is_killed(tm
 
 
 FIRST_START = f"""
-import json, logging, os, sys
+import json, logging, os, signal, sys
 import torch
 import wdsvlm
 
@@ -375,7 +375,13 @@ def main():
     before = children()
     loader = wdsvlm.Loader({EXAMPLE!r}, {TOKENIZER!r}, num_workers=2, **SMALL)
     made = children()  # nothing iterated yet
-    batches = epochs(loader)
+    loader.set_epoch(0)
+    first = iter(loader)
+    batches = [next(first)]  # made here, while the workers start on another thread
+    dead_worker_handler = callable(signal.getsignal(signal.SIGCHLD))
+    batches += list(first)
+    loader.set_epoch(1)
+    batches += list(loader)
     stats = loader.stats()
     forked = wdsvlm.Loader({EXAMPLE!r}, {TOKENIZER!r}, num_workers=2,
                            multiprocessing_context="fork", **SMALL)
@@ -388,7 +394,8 @@ def main():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(value, theirs[name]), name
     assert stats == forked.stats()
-    print(json.dumps({{"before": before, "made": made, "batches": len(batches)}}))
+    print(json.dumps({{"before": before, "made": made, "batches": len(batches),
+                      "dead_worker_handler": dead_worker_handler}}))
 
 
 if __name__ == "__main__":
@@ -414,6 +421,8 @@ def test_the_fork_server_starts_with_the_loader_and_the_first_batch_is_made_mean
     # made here once: the fork server is up for the second epoch and the second loader
     assert run.stderr.count("is made here while the workers start") == 1, run.stderr[-3000:]
     assert "wdsvlm.loader: batch 0 of epoch 0 is made here" in run.stderr
+    # the DataLoader's SIGCHLD handler is set although its workers start on another thread
+    assert result["dead_worker_handler"]
 
 
 def test_spawned_workers_start_while_the_first_batch_is_made_here(caplog):

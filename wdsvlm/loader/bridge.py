@@ -47,6 +47,7 @@ def first_batch_here(stream: Stream, dataloader: Any, context: Any, pin: bool) -
     stream.job = {"epoch": epoch, "done": done + 1, "states": waiting, "handover": receive}
     log.debug("batch %d of epoch %d is made here while the workers start", done, epoch)
     handed: Future = Future()  # the state after the batch made here, and its held samples
+    _watch_workers()
     pool = ThreadPoolExecutor(1, thread_name_prefix="wdsvlm-start-workers")
     started = pool.submit(_start_workers, dataloader, receive, send, handed)
     pool.shutdown(wait=False)  # its thread ends once the workers run and have the state
@@ -68,6 +69,15 @@ def first_batch_here(stream: Stream, dataloader: Any, context: Any, pin: bool) -
     except Exception:
         _stop(started)  # now, not when the traceback that holds them goes
         raise
+
+
+def _watch_workers() -> None:
+    """The DataLoader's SIGCHLD handler, which raises at once when a worker dies: torch sets
+    it as its workers start, but only on the main thread, and here they start on another
+    (without it a dead worker is noticed by the DataLoader's status check, seconds later)."""
+    from torch.utils.data._utils import signal_handling
+
+    signal_handling._set_SIGCHLD_handler()  # a no-op off the main thread, as in torch
 
 
 def _start_workers(dataloader: Any, receive: Any, send: Any, handed: Future) -> Iterator:
