@@ -37,6 +37,8 @@ import sys
 import threading
 from typing import Any
 
+from ..pipeline.memory import libc
+
 log = logging.getLogger("wdsvlm.workers")
 
 CONTEXTS = ("forkserver", "spawn", "fork")
@@ -147,14 +149,10 @@ def exit_with_training_process(worker_id: int) -> None:
 
 def die_with_parent() -> bool:
     """Have the kernel SIGKILL this process when its parent ends (Linux); whether it will."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
+    c = libc()
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    except (OSError, AttributeError):  # no C library to ask, or one without prctl
+        return c is not None and c.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except AttributeError:  # a C library without prctl
         return False
 
 

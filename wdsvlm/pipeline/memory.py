@@ -61,22 +61,24 @@ def populate(address: int, nbytes: int) -> bool:
     """Map the pages of ``[address, address + nbytes)`` for writing in one call; whether the
     kernel did (it cannot before Linux 5.14, nor off Linux: the pages then fault in as
     written)."""
-    libc = _load_libc()
-    if libc is None:
+    c = libc()
+    if c is None:
         return False
     start = address - address % mmap.PAGESIZE
-    return libc.madvise(start, address + nbytes - start, MADV_POPULATE_WRITE) == 0
+    return c.madvise(start, address + nbytes - start, MADV_POPULATE_WRITE) == 0
 
 
-def _load_libc() -> Any:
+def libc() -> Any:
+    """The C library, loaded once (Linux; ``madvise`` typed for ``populate``), or None where
+    there is none to call."""
     if not _libc:
-        libc = None
+        found = None
         if sys.platform == "linux":
             try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                libc.madvise.restype = ctypes.c_int
+                found = ctypes.CDLL(None, use_errno=True)
+                found.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                found.madvise.restype = ctypes.c_int
             except (OSError, AttributeError):  # no C library to call: pages fault in as written
-                libc = None
-        _libc.append(libc)
+                found = None
+        _libc.append(found)
     return _libc[0]
