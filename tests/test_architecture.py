@@ -18,6 +18,7 @@ LAYERS = {
     "version": 0,
     "lazy": 0,
     "storage": 1,
+    "compat": 1,
     "format": 2,
     "write": 3,
     "families": 3,
@@ -127,3 +128,53 @@ def test_every_module_is_short_enough_to_hold_in_ones_head():
         name: n for name, path in modules().items() if (n := sum(1 for _ in open(path))) > MAX_LINES
     }
     assert not long, f"over {MAX_LINES} lines, two ideas in one file: {long}"
+
+
+# Libraries whose private names wdsvlm may use only in wdsvlm/compat.py, each checked there.
+GUARDED = ("torch", "transformers", "multiprocessing", "sys", "signal", "ctypes", "trl")
+
+
+def test_private_names_of_other_libraries_live_in_compat_alone():
+    """``module._name`` of torch, transformers or CPython, a private name imported from them,
+    or ``super()._name`` (a Trainer's private method called, unless ``compat`` checks it when
+    ``wdsvlm.hf`` is imported): only in ``compat.py``."""
+    from wdsvlm.compat import TRAINER_METHODS
+
+    found = []
+    for name, path in modules().items():
+        if name == "wdsvlm.compat":
+            continue
+        tree = ast.parse(open(path).read())
+        external = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] in GUARDED:
+                        external.add(a.asname or a.name.split(".")[0])
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module.split(".")[0] in GUARDED:
+                    for a in node.names:
+                        if a.name.startswith("_") and not a.name.startswith("__"):
+                            found.append(f"{name}: from {node.module} import {a.name}")
+                        external.add(a.asname or a.name)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+                continue
+            if node.attr.startswith("__"):
+                continue
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in external:
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(root, ast.Call) and getattr(root.func, "id", "") == "super":
+                if node.attr not in TRAINER_METHODS:  # those are checked in compat
+                    found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "private names of other libraries outside compat.py:\n" + "\n".join(found)
+
+
+def test_the_first_batch_bridge_is_gone():
+    assert "wdsvlm.loader.bridge" not in modules()
+    stream = open(os.path.join(PACKAGE, "loader", "stream.py")).read()
+    for gone in ("handover", "held_samples", "private_copy", "os.environ.clear"):
+        assert gone not in stream, gone

@@ -4,10 +4,12 @@ weights and Loader states its checkpoints hold."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -259,3 +261,97 @@ def test_a_loader_not_where_the_trainer_starts_is_refused_naming_both(qwen, tmp_
     )
     with pytest.raises(WdsvlmError, match="resumes at batch 4 of epoch 0, but the Loader's state"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+
+
+def test_a_sharded_checkpoint_is_loaded_one_shard_at_a_time(qwen, tmp_path, monkeypatch):
+    """Each rank loads the checkpoint's weights: holding every shard at once would take the
+    model's size times the ranks of a node in host memory."""
+    import safetensors.torch
+
+    processor, loader = qwen
+    saved = tiny_model("qwen2_5_vl", processor, seed=1)
+    checkpoint = tmp_path / "checkpoint-1"
+    saved.save_pretrained(checkpoint, max_shard_size="300KB")
+    shards = sorted(checkpoint.glob("model-*.safetensors"))
+    assert len(shards) >= 3
+    fresh = tiny_model("qwen2_5_vl", processor, seed=2)
+    trainer = wdsvlm.hf.Trainer(model=fresh, args=arguments(tmp_path), loader=loader)
+    load_file = safetensors.torch.load_file
+    loaded: list[list[weakref.ref]] = []  # the tensors of each shard loaded so far
+    held = []  # at each load: the shards still held, this one included
+
+    def counting_load_file(*args, **kwargs):
+        held.append(1 + sum(any(t() is not None for t in refs) for refs in loaded))
+        tensors = load_file(*args, **kwargs)
+        loaded.append([weakref.ref(t) for t in tensors.values()])
+        return tensors
+
+    monkeypatch.setattr(safetensors.torch, "load_file", counting_load_file)
+    trainer._load_from_checkpoint(str(checkpoint))
+    assert len(held) == len(shards) and max(held) == 1, held
+    trained = saved.state_dict()
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+
+
+def test_a_checkpoint_missing_a_weight_is_refused_before_the_model_is_touched(qwen, tmp_path):
+    processor, loader = qwen
+    checkpoint = tmp_path / "checkpoint-1"
+    tiny_model("qwen2_5_vl", processor, seed=1).save_pretrained(checkpoint, max_shard_size="300KB")
+    index = json.load(open(checkpoint / "model.safetensors.index.json"))
+    gone = sorted(checkpoint.glob("model-*.safetensors"))[-1]
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != gone.name}
+    json.dump(index, open(checkpoint / "model.safetensors.index.json", "w"))
+    fresh = tiny_model("qwen2_5_vl", processor, seed=2)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    trainer = wdsvlm.hf.Trainer(model=fresh, args=arguments(tmp_path), loader=loader)
+    with pytest.raises(WdsvlmError, match=r"checkpoint-1 does not hold this model's weights: \d"):
+        trainer._load_from_checkpoint(str(checkpoint))
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_a_loader_built_for_other_ranks_than_the_trainers_is_refused_naming_both(
+    qwen_processor, tmp_path
+):
+    """A Loader built before init_process_group (or given other ranks) splits the data for
+    ranks the Trainer does not run as: every rank would take another's samples."""
+    loader = wdsvlm.Loader(
+        DATA, processor=qwen_processor, max_length=1024, batch_size=2, rank=1, world_size=2
+    )
+    try:
+        model = tiny_model("qwen2_5_vl", qwen_processor)
+        trainer = wdsvlm.hf.Trainer(model=model, args=arguments(tmp_path), loader=loader)
+        message = (
+            r"Loader was built for rank 1 of world size 2, but this Trainer runs as rank 0 of "
+            r"world size 1: build the Loader after torch.distributed.init_process_group .*"
+            r"wdsvlm.Loader\(rank=..., world_size=...\)"
+        )
+        with pytest.raises(WdsvlmError, match=message):
+            trainer.train()
+        assert loader.batches_done == 0
+    finally:
+        loader.close()
+
+
+def test_the_epoch_is_found_when_the_trainer_passes_it_by_position(qwen, tmp_path):
+    """A Trainer (or subclass) calling ``_run_epoch`` with positional arguments resumes as
+    one passing them by name: wdsvlm.hf finds the epoch either way."""
+    processor, loader = qwen
+
+    class PositionalTrainer(wdsvlm.hf.Trainer):
+        def _run_epoch(self, *args, **kwargs):
+            signature = inspect.signature(transformers.Trainer._run_epoch)
+            bound = signature.bind(self, *args, **kwargs)
+            assert not bound.kwargs  # every argument goes by position
+            return super()._run_epoch(*bound.args[1:])
+
+    args = arguments(tmp_path, save_strategy="steps", save_steps=2)
+    model = tiny_model("qwen2_5_vl", processor)
+    PositionalTrainer(model=model, args=args, loader=loader).train()
+    other = arguments(tmp_path, max_steps=3)
+    trainer = PositionalTrainer(
+        model=tiny_model("qwen2_5_vl", processor), args=other, loader=loader
+    )
+    trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert trainer.state.global_step == 3 and loader.batches_done == 3

@@ -407,3 +407,82 @@ def test_a_dataset_of_only_bad_samples_is_an_error_not_an_endless_loop(tmp_path)
     )
     with pytest.raises(wdsvlm.WdsvlmError, match=r"no batch can come: .*invalid_json"):
         next(iter(loader))
+
+
+def test_set_epoch_of_an_epoch_iterated_whole_is_refused_and_a_restored_end_yields_nothing():
+    """``set_epoch(e)`` once epoch ``e`` was iterated whole would yield nothing: refused,
+    naming the next epoch. Restored at an epoch's end (a checkpoint saved after its last
+    batch), ``set_epoch(e)`` yields nothing and ``set_epoch(e + 1)`` goes on, as a resumed loop
+    needs."""
+    settings = dict(SMALL, max_length=512, batch_size=2, batches_per_epoch=3)
+    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, **settings)
+    loader.set_epoch(0)
+    first = list(loader)
+    assert len(first) == 3
+    with pytest.raises(wdsvlm.WdsvlmError, match=r"epoch 0 is whole already.*set_epoch\(1\)"):
+        loader.set_epoch(0)
+    state = loader.state_dict()
+    loader.set_epoch(1)
+    second = list(loader)
+
+    resumed = wdsvlm.Loader(EXAMPLE, TOKENIZER, **settings)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(0)
+    assert list(resumed) == []
+    resumed.set_epoch(1)
+    assert [b["sample_keys"] for b in resumed] == [b["sample_keys"] for b in second]
+
+
+@pytest.mark.processes
+def test_a_loader_built_before_the_process_group_that_disagrees_with_it_is_refused(tmp_path):
+    """A launcher that sets no ``RANK`` (``torch.multiprocessing.spawn``): a Loader built before
+    ``init_process_group`` believes it is rank 0 of 1; its first iteration says so, naming both
+    and the fix, instead of every rank reading the whole dataset."""
+    import sys
+
+    from .conftest import run_process
+
+    script = tmp_path / "spawned.py"
+    script.write_text(
+        SPAWNED.format(example=EXAMPLE, tokenizer=TOKENIZER, store=tmp_path / "store")
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    run = run_process([sys.executable, str(script)], timeout=180, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    lines = sorted(line for line in run.stdout.splitlines() if line.startswith("rank"))
+    assert lines == [
+        "rank 0: built as rank 0 of 1 (read from the environment when it was built), but "
+        "torch.distributed says this process is rank 0 of 2",
+        "rank 1: built as rank 0 of 1 (read from the environment when it was built), but "
+        "torch.distributed says this process is rank 1 of 2",
+    ], run.stdout
+
+
+SPAWNED = """
+import os
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import wdsvlm
+
+
+def run(rank):
+    loader = wdsvlm.Loader({example!r}, {tokenizer!r}, max_length=512, batch_size=2,
+                           tile_size=128, max_image_side=256, tokens_per_tile=16)
+    dist.init_process_group("gloo", init_method="file://{store}", rank=rank, world_size=2)
+    try:
+        next(iter(loader))
+    except wdsvlm.WdsvlmError as e:
+        assert "Build the Loader after init_process_group, or pass it rank=" in str(e), e
+        said = str(e).split("this Loader was ")[1].split(":")[0]
+        said = f"rank {{rank}}: {{said}}"
+    else:
+        said = f"rank {{rank}}: no error"
+    os.write(1, (said + "\\n").encode())  # one write: the ranks' lines do not interleave
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(run, nprocs=2)
+"""

@@ -271,3 +271,32 @@ def test_importing_wdsvlm_and_its_writer_side_names_imports_no_torch():
     )
     run = run_process([sys.executable, "-c", code], timeout=60)
     assert run.returncode == 0, run.stderr
+
+
+def test_the_floors_of_torch_transformers_and_webdataset_are_the_versions_tested():
+    """setup.cfg promises no version the tests never ran with: the floors of the libraries
+    whose internals wdsvlm uses are the Makefile's torch and constraints.txt's pins."""
+    from packaging.version import Version
+
+    floors = {
+        requirement_name(r): r.split(">=", 1)[1].split(",")[0]
+        for r in PROJECT["dependencies"]
+        if ">=" in r
+    }
+    pins = dict(
+        line.strip().split("==", 1)
+        for line in open(os.path.join(REPO, "constraints.txt"))
+        if "==" in line and not line.startswith("#")
+    )
+    makefile = open(os.path.join(REPO, "Makefile")).read()
+    pins["torch"] = re.search(r"^TORCH \?= torch==(\S+)", makefile, re.M)[1]
+    for name in ("torch", "transformers", "webdataset"):
+        assert Version(floors[name]) == Version(pins[name]), (name, floors[name], pins[name])
+
+    from wdsvlm import compat
+
+    for name, supported in (
+        ("torch", compat.TORCH_RANGE),
+        ("transformers", compat.TRANSFORMERS_RANGE),
+    ):
+        assert supported.startswith(f">={floors[name]},"), (name, supported)

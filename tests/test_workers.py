@@ -21,8 +21,8 @@ SMALL = {"max_length": 256, "batch_size": 2, "tile_size": 32, "max_image_side": 
 
 
 def started_workers(loader) -> tuple[list, object]:
-    """The processes that starting ``loader``'s workers (its first two batches: the first may
-    be made in this process while they start) added, and the running iterator."""
+    """The processes that starting ``loader``'s workers (its first two batches) added, and the
+    running iterator."""
     before = {p.pid for p in multiprocessing.active_children()}
     batches = iter(loader)
     next(batches)
@@ -158,8 +158,9 @@ def test_many_worker_starts_right_after_a_resume_in_a_gloo_group_never_hang():
 def _environment_seen(payload: bytes, answer) -> None:
     import pickle
 
+    os.environ["WDSVLM_TEST_OWN"] = "the worker's own"
     pickle.loads(payload)  # a worker's copy of the Loader's stream
-    answer.put(os.environ.get("WDSVLM_TEST_PROBE"))
+    answer.put((os.environ.get("WDSVLM_TEST_PROBE"), os.environ.get("WDSVLM_TEST_OWN")))
 
 
 @pytest.mark.processes
@@ -177,7 +178,8 @@ def test_workers_see_the_environment_as_it_is_when_they_start(monkeypatch):
     answer = context.Queue()
     child = context.Process(target=_environment_seen, args=(pickle.dumps(loader.stream), answer))
     child.start()
-    assert answer.get(timeout=60) == "set after the server started"
+    # what changed since the server started comes; the rest of the worker's own stays
+    assert answer.get(timeout=60) == ("set after the server started", "the worker's own")
     child.join(timeout=60)
 
 
@@ -339,7 +341,7 @@ def test_the_fork_server_and_workers_exit_when_the_training_process_is_killed(tm
 
 
 FIRST_START = f"""
-import json, logging, os, signal, sys
+import json, logging, os, sys
 import torch
 import wdsvlm
 
@@ -376,10 +378,7 @@ def main():
     loader = wdsvlm.Loader({EXAMPLE!r}, {TOKENIZER!r}, num_workers=2, **SMALL)
     made = children()  # nothing iterated yet
     loader.set_epoch(0)
-    first = iter(loader)
-    batches = [next(first)]  # made here, while the workers start on another thread
-    dead_worker_handler = callable(signal.getsignal(signal.SIGCHLD))
-    batches += list(first)
+    batches = list(loader)
     loader.set_epoch(1)
     batches += list(loader)
     stats = loader.stats()
@@ -394,8 +393,7 @@ def main():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(value, theirs[name]), name
     assert stats == forked.stats()
-    print(json.dumps({{"before": before, "made": made, "batches": len(batches),
-                      "dead_worker_handler": dead_worker_handler}}))
+    print(json.dumps({{"before": before, "made": made, "batches": len(batches)}}))
 
 
 if __name__ == "__main__":
@@ -405,10 +403,10 @@ if __name__ == "__main__":
 
 @pytest.mark.processes
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_the_fork_server_starts_with_the_loader_and_the_first_batch_is_made_meanwhile(tmp_path):
+def test_the_fork_server_starts_with_the_loader(tmp_path):
     """In a fresh process the fork server starts when the Loader is made (its imports overlap
-    the set-up), and while the first workers wait for it, the training process makes the first
-    batch itself; the batches and stats are those of workers alone, bit for bit."""
+    the set-up); the batches and stats of its workers are those of forked workers, bit for
+    bit."""
     script = tmp_path / "first_start.py"
     script.write_text(FIRST_START)
     run = run_process(
@@ -418,18 +416,9 @@ def test_the_fork_server_starts_with_the_loader_and_the_first_batch_is_made_mean
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert not [c for c in result["before"] if "forkserver" in c]
     assert [c for c in result["made"] if "forkserver" in c], result["made"]
-    # made here once: the fork server is up for the second epoch and the second loader
-    assert run.stderr.count("is made here while the workers start") == 1, run.stderr[-3000:]
-    assert "wdsvlm.loader: batch 0 of epoch 0 is made here" in run.stderr
-    # the DataLoader's SIGCHLD handler is set although its workers start on another thread
-    assert result["dead_worker_handler"]
 
 
-def test_spawned_workers_start_while_the_first_batch_is_made_here(caplog):
-    """``spawn``'s workers import everything at every start: the first batch of every epoch is
-    made here meanwhile, and the batches are those of forked workers."""
-    import logging
-
+def test_spawned_workers_give_the_batches_of_forked_workers():
     import torch
 
     spawned = wdsvlm.Loader(
@@ -448,24 +437,16 @@ def test_spawned_workers_start_while_the_first_batch_is_made_here(caplog):
         batches_per_epoch=4,
         **SMALL,
     )
-    with caplog.at_level(logging.DEBUG, logger="wdsvlm.loader"):
-        for epoch in range(2):
-            spawned.set_epoch(epoch)
-            forked.set_epoch(epoch)
-            for ours, theirs in zip(spawned, forked, strict=True):
-                assert ours["sample_keys"] == theirs["sample_keys"]
-                assert torch.equal(ours["pixel_values"], theirs["pixel_values"])
-    made = [r.getMessage() for r in caplog.records if "made here" in r.getMessage()]
-    assert made == [f"batch 0 of epoch {e} is made here while the workers start" for e in (0, 1)]
+    for epoch in range(2):
+        spawned.set_epoch(epoch)
+        forked.set_epoch(epoch)
+        for ours, theirs in zip(spawned, forked, strict=True):
+            assert ours["sample_keys"] == theirs["sample_keys"]
+            assert torch.equal(ours["pixel_values"], theirs["pixel_values"])
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_persistent_workers_persist_whether_or_not_a_first_batch_is_made_here(workers, caplog):
-    """One persistent worker goes on with its stream after a first batch made here; with more,
-    none is made here (each worker would then play the next one's stream, and the next epoch
-    would need new workers): either way the same workers serve every epoch."""
-    import logging
-
+def test_persistent_workers_serve_every_epoch(workers):
     loader = wdsvlm.Loader(
         EXAMPLE,
         TOKENIZER,
@@ -477,21 +458,17 @@ def test_persistent_workers_persist_whether_or_not_a_first_batch_is_made_here(wo
     )
     before = {p.pid for p in multiprocessing.active_children()}
     seen = []
-    with caplog.at_level(logging.DEBUG, logger="wdsvlm.loader"):
-        for epoch in range(3):
-            loader.set_epoch(epoch)
-            assert len(list(loader)) == 2 * workers
-            seen.append({p.pid for p in multiprocessing.active_children()} - before)
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        assert len(list(loader)) == 2 * workers
+        seen.append({p.pid for p in multiprocessing.active_children()} - before)
     assert len(seen[0]) == workers and seen[0] == seen[1] == seen[2]
-    made = [r for r in caplog.records if "made here" in r.getMessage()]
-    assert len(made) == (1 if workers == 1 else 0)
     loader.close()
 
 
-def test_a_resumed_epoch_whose_first_batch_is_made_here_goes_on_exactly():
-    """From a saved state, the batch made here starts from samples read again; the worker that
-    goes on from it takes the samples its buffers hold from this process (some cut by
-    truncation, some still untokenized), and every batch is the one forked workers give."""
+def test_a_resumed_epoch_goes_on_exactly_whatever_the_start_method():
+    """From a saved state (its buffers holding samples cut by truncation and some still
+    untokenized), spawned workers give every batch forked workers give."""
     import torch
 
     settings = dict(SMALL, truncate=True, batches_per_epoch=8, shuffle_buffer=40, pack_window=30)
@@ -518,22 +495,20 @@ def test_a_resumed_epoch_whose_first_batch_is_made_here_goes_on_exactly():
                 assert torch.equal(value, theirs[name]), name
 
 
-def test_stopping_after_the_batch_made_here_stops_the_starting_workers():
+def test_stopping_after_the_first_batch_stops_the_workers():
     before = {p.pid for p in multiprocessing.active_children()}
     loader = wdsvlm.Loader(
         EXAMPLE, TOKENIZER, num_workers=2, multiprocessing_context="spawn", **SMALL
     )
     batches = iter(loader)
     assert next(batches)["sample_keys"]
-    batches.close()  # while the workers may still be starting
+    batches.close()
     workers = [p for p in multiprocessing.active_children() if p.pid not in before]
     assert not workers, f"workers still running after the iteration stopped: {workers}"
 
 
-def test_an_error_in_the_batch_made_here_stops_the_starting_workers(tmp_path):
-    """The batch made in the training process fails (its shards went away): the error comes,
-    and the workers that were starting meanwhile (one of them waiting for that batch's
-    state) are stopped, none left waiting."""
+def test_an_error_before_the_first_batch_stops_the_workers(tmp_path):
+    """Every shard went away: the error comes, and no worker is left running."""
     import glob
     import shutil
 
@@ -548,3 +523,74 @@ def test_an_error_in_the_batch_made_here_stops_the_starting_workers(tmp_path):
             pass
     workers = [p for p in multiprocessing.active_children() if p.pid not in before]
     assert not workers, f"workers still running after the error: {workers}"
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("context", ["forkserver", "spawn"])
+def test_close_stops_the_workers_in_the_middle_of_an_epoch(context):
+    """``close()`` after 3 of 20 batches: the worker processes are gone within 5 s, and the
+    epoch's iteration ends there."""
+    import time
+
+    loader = wdsvlm.Loader(
+        EXAMPLE,
+        TOKENIZER,
+        num_workers=2,
+        multiprocessing_context=context,
+        batches_per_epoch=20,
+        **SMALL,
+    )
+    workers, batches = started_workers(loader)
+    next(batches)  # 3 of 20
+    pids = [p.pid for p in workers]
+    assert all(alive(pid) for pid in pids)
+    loader.close()
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if alive(pid)], "workers still running 5 s after close()"
+    assert next(batches, None) is None  # the epoch's iteration ended with close()
+    assert loader.batches_done == 3
+    again = list(loader)  # new workers go on from where the loader stands
+    assert len(again) == 17
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals")
+@pytest.mark.parametrize("context", ["forkserver", "spawn", "fork"])
+def test_a_worker_killed_mid_epoch_is_an_error_within_seconds(context):
+    """A DataLoader worker killed outright (SIGKILL, the OOM killer) in the middle of an epoch
+    is a RuntimeError in the training process: at once where the workers are this process's
+    children (``spawn``, ``fork``: torch's SIGCHLD handler), within the DataLoader's status
+    check (5 s) where they are the fork server's."""
+    import signal
+    import time
+
+    loader = wdsvlm.Loader(
+        EXAMPLE,
+        TOKENIZER,
+        num_workers=2,
+        multiprocessing_context=context,
+        batches_per_epoch=200,
+        **SMALL,
+    )
+    workers, batches = started_workers(loader)
+    os.kill(workers[0].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited unexpectedly|killed by signal"):
+        for _ in batches:
+            assert time.monotonic() - killed < 30, "no error 30 s after a worker was killed"
+    took = time.monotonic() - killed
+    bound = 8.0 if context == "forkserver" else 2.0
+    assert took < bound, f"{context}: the error came {took:.1f} s after the worker died"
+    loader.close()

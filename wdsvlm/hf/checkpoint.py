@@ -9,6 +9,7 @@ import os
 import re
 from typing import Any
 
+from .. import compat
 from ..errors import WdsvlmError
 
 STATES = "loader_states"
@@ -68,53 +69,77 @@ def load_weights(model: Any, checkpoint: str) -> bool:
     ``model.language_model.*`` as ``model.*``), and the stock Trainer loads them back without
     converting them, leaving those weights as they were with only a warning. The names a save
     writes are found by reverting the model's own state dict the way ``save_pretrained`` does,
-    and matched to the model's names by tensor identity; any weight left unloaded is an error.
+    and matched to the model's names by tensor identity; any weight left unloaded is an error,
+    found from the files' headers before the model is touched. The files are then loaded one at
+    a time, each into the model before the next is read: a rank holds one shard, not the model.
     """
-    import safetensors.torch
-
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # an older transformers: its save and load agree
-        return False
-    file = os.path.join(checkpoint, "model.safetensors")
-    index = os.path.join(checkpoint, "model.safetensors.index.json")
-    if os.path.isfile(file):
-        files = [file]
-    elif os.path.isfile(index):
-        with open(index) as f:
-            shards = json.load(f)["weight_map"].values()
-        files = sorted({os.path.join(checkpoint, v) for v in shards})
-    else:
+    files = weight_files(checkpoint)
+    if not files:
         return False
     own = model.state_dict()
     by_identity: dict[tuple, list[str]] = {}
     for name, tensor in own.items():
         by_identity.setdefault(_identity(tensor), []).append(name)
     saved_as: dict[str, list[str]] = {}
-    for saved_name, tensor in revert_weight_conversion(model, dict(own)).items():
+    for saved_name, tensor in compat.revert_weight_conversion(model, dict(own)).items():
         names = by_identity.get(_identity(tensor))
         if names is None:
             return False  # a weight converted on save, not only renamed: the Trainer's way
         saved_as[saved_name] = names
-    loaded: dict[str, Any] = {}
+    check_coverage(checkpoint, files, saved_as, set(own))
+    del own, by_identity  # the model's tensors are not needed here any more
+    for path in files:
+        _load_file(model, path, saved_as)
+    return True
+
+
+def weight_files(checkpoint: str) -> list[str]:
+    """The safetensors files of the model's weights in ``checkpoint`` (none: not saved so)."""
+    file = os.path.join(checkpoint, "model.safetensors")
+    index = os.path.join(checkpoint, "model.safetensors.index.json")
+    if os.path.isfile(file):
+        return [file]
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = json.load(f)["weight_map"].values()
+        return sorted({os.path.join(checkpoint, v) for v in shards})
+    return []
+
+
+def check_coverage(checkpoint: str, files: list[str], saved_as: dict, wanted: set[str]) -> None:
+    """Every weight named in ``wanted`` is in ``files`` and nothing else is (read from their
+    headers)."""
+    import safetensors
+
+    loaded: set[str] = set()
     unexpected = []
     for path in files:
-        for saved_name, tensor in safetensors.torch.load_file(path, device="cpu").items():
-            names = saved_as.get(saved_name)
-            if names is None:
-                unexpected.append(saved_name)
-                continue
-            for name in names:  # tied weights share one tensor
-                loaded[name] = tensor
-    missing = sorted(set(own) - set(loaded))
+        with safetensors.safe_open(path, framework="pt") as f:
+            for saved_name in f.keys():
+                names = saved_as.get(saved_name)
+                if names is None:
+                    unexpected.append(saved_name)
+                else:
+                    loaded.update(names)  # tied weights share one tensor
+    missing = sorted(wanted - loaded)
     if missing or unexpected:
         raise WdsvlmError(
             f"checkpoint {checkpoint} does not hold this model's weights: "
             f"{len(missing)} missing (e.g. {missing[:3]}), {len(unexpected)} unknown "
             f"(e.g. {unexpected[:3]}); resuming would train from weights not in the checkpoint"
         )
-    model.load_state_dict(loaded, strict=True)
-    return True
+
+
+def _load_file(model: Any, path: str, saved_as: dict) -> None:
+    """One file's weights into ``model``; they are let go on return."""
+    import safetensors.torch
+
+    part = {
+        name: tensor
+        for saved_name, tensor in safetensors.torch.load_file(path, device="cpu").items()
+        for name in saved_as[saved_name]
+    }
+    model.load_state_dict(part, strict=False)
 
 
 def _identity(tensor: Any) -> tuple:

@@ -8,6 +8,7 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
+from .. import compat
 from ..errors import WdsvlmError
 from ..families.inputs import model_inputs
 
@@ -75,20 +76,14 @@ def tiling_fields(model: Any) -> tuple[str, ...]:
     return fields
 
 
-@contextlib.contextmanager
-def positioned_skip(trainer_module: Any, feed: LoaderFeed, epoch: int):
+def positioned_skip(feed: LoaderFeed, epoch: int) -> contextlib.AbstractContextManager:
     """While ``epoch`` runs, the Trainer's ``skip_first_batches`` on the feed checks that the
     restored Loader stands where the Trainer resumes instead of skipping batches (the Trainer
     would otherwise replay the data to skip what the checkpoint took)."""
-    original = trainer_module.skip_first_batches
 
-    def skip_first_batches(dataloader, num_batches=0):
+    def skip_first_batches(original: Any, dataloader: Any, num_batches: int) -> Any:
         if dataloader is feed:
             return feed.check_position(epoch, num_batches)
         return original(dataloader, num_batches)
 
-    trainer_module.skip_first_batches = skip_first_batches
-    try:
-        yield
-    finally:
-        trainer_module.skip_first_batches = original
+    return compat.trainer_skip_first_batches(skip_first_batches)

@@ -24,19 +24,18 @@ import torch
 import transformers
 import transformers.trainer as trainer_module
 
+from .. import compat
 from ..errors import WdsvlmError
 from .checkpoint import load_loader_states, load_weights, save_loader_state
 from .feed import LoaderFeed, positioned_skip
 
-# the Trainer's own methods this integration overrides or calls: checked once per class
-HOOKS = (
-    "get_train_dataloader",
-    "_get_num_items_in_batch",
-    "_run_epoch",
-    "_save_checkpoint",
-    "_load_from_checkpoint",
-    "compute_loss",
-)
+# transformers' private names used here (compat.TRAINER_METHODS among them), checked now: a
+# version without them fails at import, not at the first checkpoint
+compat.trainer_internals()
+
+# the Trainer's public methods this integration overrides: checked once per class (the private
+# ones by compat.trainer_methods)
+HOOKS = ("get_train_dataloader", "compute_loss")
 
 
 def supervised_token_loss(outputs: Any, labels: Any, num_items_in_batch: Any = None) -> Any:
@@ -107,6 +106,7 @@ class LoaderTrainerMixin:
         return count
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        check_ranks(self)
         if resume_from_checkpoint is True:
             resume_from_checkpoint = trainer_module.get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
@@ -131,12 +131,13 @@ class LoaderTrainerMixin:
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
-        with positioned_skip(trainer_module, self.get_train_dataloader(), kwargs.get("epoch")):
+        epoch = compat.run_epoch_epoch(super()._run_epoch, args, kwargs)
+        with positioned_skip(self.get_train_dataloader(), epoch):
             return super()._run_epoch(*args, **kwargs)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         folder = f"{trainer_module.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        checkpoint = os.path.join(self._get_output_dir(trial=trial), folder)
+        checkpoint = os.path.join(compat.trainer_output_dir(self, trial), folder)
         # before the Trainer's files: its trainer_state.json, written last, marks a whole folder
         save_loader_state(
             checkpoint, self.loader.state_dict(), self.args.process_index, self.args.world_size
@@ -150,6 +151,21 @@ class LoaderTrainerMixin:
         )
         if not (plain and load_weights(target, resume_from_checkpoint)):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+
+def check_ranks(trainer: Any) -> None:
+    """The Loader splits the data for the rank and world size it was built for: they must be
+    the Trainer's, or ranks would take each other's samples or leave some out."""
+    config = trainer.loader.worker_config
+    loader = (config.rank, config.world_size)
+    args = (trainer.args.process_index, trainer.args.world_size)
+    if loader != args:
+        raise WdsvlmError(
+            f"{type(trainer).__name__}: the Loader was built for rank {loader[0]} of world size "
+            f"{loader[1]}, but this Trainer runs as rank {args[0]} of world size {args[1]}: "
+            "build the Loader after torch.distributed.init_process_group (or under torchrun), "
+            "or pass wdsvlm.Loader(rank=..., world_size=...) the Trainer's"
+        )
 
 
 def check_settings(trainer: Any) -> None:
@@ -213,11 +229,9 @@ def check_attention(config: Any, name: str) -> None:
     """A packed row's samples are kept apart by their restarting position ids, with no 2-D
     attention mask: only the attention implementations that build their mask from position
     ids (or read them, as flash attention does) can do that."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    implementation = getattr(text, "_attn_implementation", None)
-    known = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    implementation = compat.attention_implementation(text)
+    known = compat.mask_attention_implementations()
     if implementation is not None and implementation not in known:
         raise ValueError(
             f"{name}: attn_implementation={implementation!r} builds no attention mask from "
@@ -266,6 +280,7 @@ def with_loader(trainer_class: type) -> type:
             f"{trainer_class.__name__} lacks the Trainer methods wdsvlm.hf hooks into "
             f"({', '.join(missing)}): transformers {transformers.__version__} is not supported"
         )
+    compat.trainer_methods(trainer_class)
     return type(
         trainer_class.__name__,
         (LoaderTrainerMixin, trainer_class),

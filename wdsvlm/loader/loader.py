@@ -14,11 +14,12 @@ collective call, and ``state_dict()`` resumes exactly.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from .. import compat
 from ..errors import WdsvlmError
-from .bridge import first_batch_here
 from .build import build
 from .placement import RayWorkers
 from .report import Yielded, epoch_stats
@@ -26,7 +27,7 @@ from .resume import resume_point, topology_of
 from .settings import settings_from, signature_with_settings
 from .state import LoaderState, WorkerState
 from .stream import STATE_KEY, STATS_KEY
-from .workers import check_main_guarded, workers_start_slowly
+from .workers import check_main_guarded
 
 log = logging.getLogger("wdsvlm.loader")
 
@@ -68,6 +69,7 @@ class Loader:
     step and ``load_state_dict()`` in a new process give the same batches from there on;
     ``load_state_dict()`` of the list of all ranks' states resumes on another topology.
     ``stats()`` reports fill, samples per pack, drops and skipped samples so far.
+    ``close()`` stops the workers now, also in the middle of an epoch.
     """
 
     def __init__(self, source: Any, tokenizer: Any = None, **settings: Any):
@@ -86,6 +88,8 @@ class Loader:
         self._yielded = Yielded()
         self._dataloader = None
         self._ray: Iterator[dict] | None = None  # the running Ray workers' batches
+        self._running: weakref.ref | None = None  # the epoch's generator being iterated
+        self._restored = False  # the position came from load_state_dict, not from iterating
         if self.dataloader_options["persistent_workers"]:
             self.plan.share_epoch()
         self._start_afresh(0)
@@ -108,9 +112,20 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next iteration yields. The current epoch keeps its position
         (as after ``load_state_dict``); the next one, once the current is whole, goes on with
-        the samples it carries; any other epoch starts afresh at the start of that pass."""
+        the samples it carries; any other epoch starts afresh at the start of that pass.
+
+        The current epoch once whole yields nothing more: right after ``load_state_dict`` of a
+        state saved at its end that is what a resumed loop needs (``set_epoch(e + 1)`` goes
+        on); after this loader iterated it whole, asking for it again is refused, since
+        nothing of it is left to yield."""
         if epoch == self._epoch:
-            pass
+            if self._done >= self._batches_per_epoch and not self._restored:
+                raise WdsvlmError(
+                    f"set_epoch({epoch}): epoch {epoch} is whole already (all "
+                    f"{self._batches_per_epoch} of its batches were yielded), so iterating "
+                    f"it again would yield nothing; call set_epoch({epoch + 1}) for the next "
+                    "epoch (it goes on with the samples this one carries over)"
+                )
         elif epoch == self._epoch + 1 and self._done >= self._batches_per_epoch:
             self._next_epoch()
         else:
@@ -155,13 +170,26 @@ class Loader:
         return self._batches_per_epoch
 
     def __iter__(self) -> Iterator[dict]:
+        self._check_ranks()
+        batches = self._epoch_batches()
+        self._running = weakref.ref(batches)
+        return batches
+
+    def _epoch_batches(self) -> Iterator[dict]:
         total = self._batches_per_epoch
         if self._done >= total:
-            if self._pinned:  # set_epoch named an epoch that is already whole
+            if self._pinned:  # set_epoch named an epoch restored at its end (else it raised)
                 self._pinned = False
+                log.info(
+                    "epoch %d was restored at its end: it yields nothing more; set_epoch(%d) "
+                    "goes on with the next",
+                    self._epoch,
+                    self._epoch + 1,
+                )
                 return
             self._next_epoch()
         self._pinned = False
+        self._restored = False
         if not (self._reusable and self._done == 0):
             self._restart_workers()
         self.stream.job = {"epoch": self._epoch, "done": self._done, "states": list(self._states)}
@@ -174,25 +202,20 @@ class Loader:
         try:
             for batch in batches:
                 state = batch.pop(STATE_KEY)
-                self._states[state["role"]] = state["state"]  # a WorkerState
+                self._states[state["slot"]] = state["state"]  # a WorkerState
                 report = batch.pop(STATS_KEY)
-                self._worker_stats[report.pop("worker")] = report
+                self._worker_stats[report.pop("slot")] = report
                 self._done += 1
                 self._yielded.count(batch)
                 yield batch
-        except GeneratorExit:  # iteration stopped early: Ray actors stop now, not at GC
-            self._stop_ray()
+        except GeneratorExit:  # iteration stopped early (or close()): the workers stop now
+            self._stop_workers(batches)
             raise
         except Exception as e:
             # Stop the workers now: the error's traceback holds the DataLoader's iterator, and
             # freed later by the cycle collector, its queues can go first, its workers are
             # never told to stop, and each is waited for 5 s. New workers for what follows.
-            shutdown = getattr(batches, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-            self._stop_ray()
-            self._dataloader = None
-            self.stream.forget()  # without workers: the read-ahead thread stops now
+            self._stop_workers(batches)
             if (
                 isinstance(e, (ConnectionError, EOFError))
                 and self.dataloader_options["num_workers"]
@@ -206,37 +229,55 @@ class Loader:
             raise
         if self._done != total:
             raise WdsvlmError(f"epoch {self._epoch} ended after {self._done} of {total} batches")
-        # each worker's stream stands at its end, and plays the role it will play next epoch
-        # (not so after a batch made here: ``bridge.py``)
-        aligned = self.stream.job["done"] % self.worker_config.workers_per_rank == 0
-        self._reusable = whole and not self._on_ray and aligned
+        # each worker's stream stands at its end, and plays the slot it will play next epoch
+        self._reusable = whole and not self._on_ray
+
+    def _stop_workers(self, batches: Iterator[dict]) -> None:
+        """Stop this epoch's workers now (and their read-ahead threads): the DataLoader's
+        processes and the shared memory of the batches they hold, or the Ray actors; an
+        iteration after this starts new ones."""
+        compat.shutdown_workers(batches)
+        self._stop_ray()
+        self._dataloader = None
+        self._reusable = False
+        self.stream.forget()
+
+    def _check_ranks(self) -> None:
+        """At each iteration: a rank and world size this loader read from the environment
+        when it was built must agree with ``torch.distributed``'s now (a Loader built before
+        ``init_process_group`` in a launcher that sets no ``RANK`` believes it is rank 0 of 1,
+        and every rank would read the whole dataset). Those given as ``rank=`` and
+        ``world_size=`` are the user's (a data-parallel group's, say): not checked."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        config, settings = self.worker_config, self.settings
+        here = (config.rank, config.world_size)
+        there = (dist.get_rank(), dist.get_world_size())
+        read = (settings.rank is None, settings.world_size is None)
+        if any(r and a != b for r, a, b in zip(read, here, there, strict=True)):
+            raise WdsvlmError(
+                f"this Loader was built as rank {here[0]} of {here[1]} (read from the "
+                "environment when it was built), but torch.distributed says this process is "
+                f"rank {there[0]} of {there[1]}: each rank would read the wrong share of the "
+                "data. Build the Loader after init_process_group, or pass it rank= and "
+                "world_size="
+            )
 
     @property
     def _on_ray(self) -> bool:
         return isinstance(self.settings.workers, RayWorkers)
 
     def _local_batches(self) -> Iterator[dict]:
-        """The epoch's batches from the DataLoader (its workers on this node, or none). When
-        its workers start now, and slowly, the first batch is made here meanwhile
-        (``bridge.py``)."""
+        """The epoch's batches from the DataLoader (its workers on this node, or none)."""
         from torch.utils.data import DataLoader
 
         options = self.dataloader_options
-        workers = options["num_workers"]
-        starting = workers and (self._dataloader is None or not options["persistent_workers"])
         if self._dataloader is None:  # kept, so that persistent workers persist
-            if workers:
+            if options["num_workers"]:
                 check_main_guarded(options["multiprocessing_context"].get_start_method())
             self._dataloader = DataLoader(self.stream, **options)
-        context = options.get("multiprocessing_context")
-        # not with persistent workers (more than one): after a batch made here each would play
-        # the next one's stream, and the next epoch would need a new set to play their own
-        shifted = options["persistent_workers"] and workers > 1
-        if starting and not shifted and workers_start_slowly(context):
-            import torch
-
-            pin = options["pin_memory"] and torch.cuda.is_available()
-            return first_batch_here(self.stream, self._dataloader, context, pin)
         return iter(self._dataloader)
 
     def _ray_batches(self, total: int) -> Iterator[dict]:
@@ -258,8 +299,17 @@ class Loader:
         return self._ray
 
     def close(self) -> None:
-        """Stop the workers (DataLoader processes or Ray actors) and any read-ahead thread
-        now (also done when the loader goes)."""
+        """Stop the workers (DataLoader processes, with the shared memory of the batches they
+        hold, or Ray actors) and any read-ahead thread now, also in the middle of an epoch:
+        the epoch's iteration ends there (also done when the loader goes). Iterating again
+        starts new workers from where this loader stands."""
+        running = self._running() if self._running is not None else None
+        self._running = None
+        if running is not None:
+            try:
+                running.close()  # its GeneratorExit stops the workers
+            except ValueError:  # close() from within the iteration itself
+                pass
         self.stream.forget()
         self._reusable = False
         self._dataloader = None
@@ -318,6 +368,7 @@ class Loader:
         self._done = point.done
         self._states = point.workers
         self._pinned = False
+        self._restored = True
         self._restart_workers()
 
     def stats(self) -> dict:

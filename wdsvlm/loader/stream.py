@@ -7,8 +7,15 @@ stream (``len(loader)``, the same on every rank); whatever the epoch did not tak
 still in the buffers and the rest of the share) is where the next epoch goes on: carried
 over, never dropped. So across all ranks and workers every sample comes once per pass.
 
-Batch ``i`` of an epoch comes from the rank's DataLoader worker ``i % num_workers`` (the
-DataLoader's round-robin); each worker yields exactly its part of the epoch and stops.
+Three numbers name a worker, each with its own name here:
+
+- ``global_worker``: the unit the plan splits a pass over, ``rank * num_workers + slot``
+  (``placement.WorkerConfig``); it decides which samples a stream reads.
+- ``slot``: which of the rank's ``num_workers`` streams, ``0 <= slot < num_workers``; batch
+  ``i`` of an epoch comes from slot ``i % num_workers``, and ``WorkerState`` is kept per slot.
+- ``worker_id``: the DataLoader worker process (torch's ``get_worker_info().id``) that plays a
+  slot's stream this epoch: slot ``(done + worker_id) % num_workers``, so that a resumed epoch
+  goes on in the DataLoader's round-robin order. A Ray actor plays one slot too.
 
 After each batch the worker notes its stream's state (``capture``, a ``state.WorkerState``):
 what is left to read (the rest of its share of the current pass, and any places of earlier
@@ -24,13 +31,13 @@ ranks of a run resume on another topology (``elastic.py``).
 from __future__ import annotations
 
 import os
-import pickle
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch.utils.data import IterableDataset
 
+from .. import compat
 from ..errors import StorageError, WdsvlmError
 from ..pipeline.collate import Collate
 from ..pipeline.pack import BalanceBatches, BalanceRun, Pack, PackRun
@@ -41,28 +48,31 @@ from ..pipeline.shuffle import Shuffle
 from ..pipeline.stats import SkipStats
 from ..pipeline.tokenize import Tokenize
 from .state import ReadCursor, WorkerState
+from .workers import adopt_environ
+
+compat.check_torch()  # torch's private names the workers use: fail at import, not mid-run
 
 STATE_KEY = "_wdsvlm_state"  # ride on each batch from the worker; the Loader removes them
 STATS_KEY = "_wdsvlm_stats"
 
 
-def quota(done: int, total: int, workers: int, role: int) -> int:
-    """How many of the batches ``[done, total)`` come from worker ``role``, when batch ``i``
-    comes from worker ``i % workers``."""
-    first = done + (role - done) % workers
+def quota(done: int, total: int, workers: int, slot: int) -> int:
+    """How many of the batches ``[done, total)`` come from ``slot``, when batch ``i`` comes
+    from slot ``i % workers``."""
+    first = done + (slot - done) % workers
     return 0 if first >= total else (total - 1 - first) // workers + 1
 
 
 @dataclass
 class LiveStream:
-    """One worker's running stream: where its reading started (``read``), the reader, the
+    """One slot's running stream: where its reading started (``read``), the reader, the
     stages' runs in pipeline order, the batches, and what its epoch has ``left`` to give.
     ``read_since_batch`` and ``accepted_at`` (what packing had taken in at the last batch)
     are its progress."""
 
-    role: int
+    slot: int
     epoch: int
-    worker: int
+    global_worker: int
     read: ReadCursor
     reader: Any
     runs: list = field(default_factory=list)
@@ -70,8 +80,6 @@ class LiveStream:
     left: int = 0
     read_since_batch: int = 0
     accepted_at: int = 0
-    seen: dict | None = None
-    """The samples taken in so far, by place (kept only when asked: ``play(keep=True)``)."""
 
     @property
     def pack(self) -> PackRun:
@@ -83,15 +91,14 @@ class LiveStream:
 
 
 class Stream(IterableDataset):
-    """The dataset a Loader hands its DataLoader: in each worker, that worker's part of the
-    epoch's batches, each with the worker's stream state and running stats attached.
+    """The dataset a Loader hands its DataLoader: in each worker, its slot's part of the
+    epoch's batches, each with the slot's stream state and running stats attached.
 
     ``job`` (set by the Loader before it starts workers) says which epoch, how many of its
-    batches were taken already (``done``) and each worker's ``WorkerState`` at that point.
-    Worker ``w`` then plays the stream ``(done + w) % num_workers``, so that a resumed epoch
-    goes on in the DataLoader's round-robin order. A persistent worker (or the training
-    process itself, without workers) keeps its stream between epochs and goes straight on
-    when the next epoch follows a whole one.
+    batches were taken already (``done``) and each slot's ``WorkerState`` at that point.
+    DataLoader worker ``worker_id`` then plays slot ``(done + worker_id) % num_workers``. A
+    persistent worker (or the training process itself, without workers) keeps its stream
+    between epochs and goes straight on when the next epoch follows a whole one.
     """
 
     def __init__(
@@ -126,10 +133,10 @@ class Stream(IterableDataset):
 
     def __getstate__(self):
         # What a worker gets: the job, not a running stream; and, for a worker on this machine,
-        # the environment as it is now (credentials set after the fork server started, say),
-        # as a forked worker has.
+        # this process's environment, whose changes since the fork server started it adopts
+        # (``workers.adopt_environ``).
         state = {**self.__dict__, "_live": None}
-        if state.get("carry_environ", True):
+        if state.pop("local", True):
             state["_environ"] = dict(os.environ)
         return state
 
@@ -137,22 +144,11 @@ class Stream(IterableDataset):
         """A copy for a worker on another machine (a Ray actor): without a running stream and
         without this process's environment variables."""
         other = Stream.__new__(Stream)
-        other.__dict__.update({**self.__dict__, "_live": None, "carry_environ": False})
+        other.__dict__.update({**self.__dict__, "_live": None, "local": False})
         return other
 
-    def private_copy(self) -> Stream:
-        """A copy that shares no object with this one (pickled, with the plan's epoch a number
-        of its own), for this process to play a stream on while workers start from this one
-        (``bridge.py``)."""
-        other = self.portable()
-        other.plan = self.plan.detached()
-        return pickle.loads(pickle.dumps(other))
-
     def __setstate__(self, state: dict) -> None:
-        environ = state.pop("_environ", None)
-        if environ is not None and environ != dict(os.environ):
-            os.environ.clear()
-            os.environ.update(environ)
+        adopt_environ(state.pop("_environ", {}))
         self.__dict__.update(state)
 
     @property
@@ -170,56 +166,32 @@ class Stream(IterableDataset):
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
-        worker = info.id if info is not None else 0
+        worker_id = info.id if info is not None else 0
         epoch = self.plan.epoch
         live = self._live
         # the stats are per epoch; reset before a resumed stream reads its buffers again, so
         # that what it cannot read again is counted
         self.skips.reset()
-        if live and live.epoch == epoch - 1 and live.left == 0 and live.role == worker:
+        if live and live.epoch == epoch - 1 and live.left == 0 and live.slot == worker_id:
             live.epoch = epoch  # the next epoch follows a whole one: go straight on
-            live.left = quota(0, self.batches_per_epoch, self.workers, worker)
+            live.left = quota(0, self.batches_per_epoch, self.workers, worker_id)
         else:
             job = self.job
             if job["epoch"] != epoch:
                 raise WdsvlmError(
                     f"the loader asked for epoch {epoch} but set up epoch {job['epoch']}"
                 )
-            role = (job["done"] + worker) % self.workers
-            state, held = job["states"][role], None
-            handover = job.pop("handover", None)
-            if handover is not None:  # the training process made a batch while we started
-                state, held = self._handed_over(handover, role, state)
-            live = self._live = self._start(role, epoch, state, held)
-            live.left = quota(job["done"], self.batches_per_epoch, self.workers, role)
+            slot = (job["done"] + worker_id) % self.workers
+            live = self._live = self._start(slot, epoch, job["states"][slot])
+            live.left = quota(job["done"], self.batches_per_epoch, self.workers, slot)
         return self._take(live)
 
-    def _handed_over(
-        self, handover: Any, role: int, state: WorkerState | None
-    ) -> tuple[WorkerState, dict | None]:
-        """``(state, None)``; or where ``state`` is None, the state of stream ``role`` after
-        the batch the training process made of it while this worker started (``bridge.py``)
-        and the samples its stages held then (``held_samples``), once they come. Every
-        worker is given the connection; each closes it."""
-        try:
-            return handover.recv() if state is None else (state, None)
-        except EOFError:
-            raise WdsvlmError(
-                f"the training process stopped before it handed over stream {role}, which it "
-                "played while this worker started"
-            ) from None
-        finally:
-            handover.close()
-
-    def play(
-        self, role: int, epoch: int, state: WorkerState, left: int, keep: bool = False
-    ) -> Iterator[dict]:
-        """The next ``left`` batches of worker ``role``'s stream in ``epoch``, from ``state``:
-        what a worker running elsewhere (a Ray actor) yields, the same as the DataLoader
-        worker that plays ``role`` would. ``keep``: keep the samples taken in, for
-        ``held_samples``."""
+    def play(self, slot: int, epoch: int, state: WorkerState, left: int) -> Iterator[dict]:
+        """The next ``left`` batches of ``slot``'s stream in ``epoch``, from ``state``: what a
+        worker running elsewhere (a Ray actor) yields, the same as the DataLoader worker that
+        plays ``slot`` would."""
         self.skips.reset()
-        live = self._live = self._start(role, epoch, state, keep=keep)
+        live = self._live = self._start(slot, epoch, state)
         live.left = left
         return self._take(live)
 
@@ -229,13 +201,13 @@ class Stream(IterableDataset):
         while live.left > 0:
             batch = next(live.batches, None)
             if batch is None:  # the stream is endless: only a bug ends it
-                raise WdsvlmError(f"the stream of worker {live.role} ended")
+                raise WdsvlmError(f"the stream of slot {live.slot} ended")
             live.left -= 1
             live.read_since_batch, live.accepted_at = 0, live.pack.accepted
-            batch[STATE_KEY] = {"role": live.role, "state": self.capture(live)}
+            batch[STATE_KEY] = {"slot": live.slot, "state": self.capture(live)}
             packing = live.pack.stats
             batch[STATS_KEY] = {
-                "worker": live.role,
+                "slot": live.slot,
                 "skips": self.skips.as_dict(examples=10),  # rides on every batch: keep it small
                 "packing": packing.as_dict(examples=10),
                 "tokens": packing.tokens,
@@ -244,51 +216,25 @@ class Stream(IterableDataset):
             }
             yield batch
 
-    def _start(
-        self,
-        role: int,
-        epoch: int,
-        state: WorkerState,
-        held: dict | None = None,
-        keep: bool = False,
-    ) -> LiveStream:
-        """The stream of worker ``role`` from ``state`` (fresh, or a captured one: the
-        samples its stages held are read again, or taken from ``held``, and each stage
-        restored from its state). ``keep``: note the samples taken in (``LiveStream.seen``)."""
-        worker = self.plan.worker_config.global_worker(role)
-        if held is None:
-            again = self._read_again(worker, state.held_places())
-            fetchers = [self._fetcher(again, self.stages[:k]) for k in range(len(self.stages))]
-        else:  # as the stages held them: no stage before has to pass them again
-            again = held
-            fetchers = [lambda places: [held.get(tuple(p)) for p in places]] * len(self.stages)
-        reader = self.read(self._spans(worker, state.read))
-        live = LiveStream(role, epoch, worker, state.read, reader, seen={} if keep else None)
+    def _start(self, slot: int, epoch: int, state: WorkerState) -> LiveStream:
+        """``slot``'s stream from ``state`` (fresh, or a captured one: the samples its stages
+        held are read again, and each stage restored from its state)."""
+        global_worker = self.plan.worker_config.global_worker(slot)
+        again = self._read_again(global_worker, state.held_places())
+        reader = self.read(self._spans(global_worker, state.read))
+        live = LiveStream(slot, epoch, global_worker, state.read, reader)
         upstream: Iterator = self._watched(reader, live)
-        for stage, saved, fetch in zip(self.stages, state.stages(), fetchers, strict=True):
-            upstream = stage.restore(saved, upstream, fetch)
+        for k, (stage, saved) in enumerate(zip(self.stages, state.stages(), strict=True)):
+            upstream = stage.restore(saved, upstream, self._fetcher(again, self.stages[:k]))
             live.runs.append(upstream)
-        if live.seen is not None:
-            live.seen.update(again)  # taken back by the stages, each in its form there
         live.batches = map(self.collate, upstream)
         return live
-
-    def held_samples(self, state: WorkerState) -> dict[tuple, dict]:
-        """The samples that the stages of the stream played last hold in ``state`` (taken
-        after its last batch), by place, each as its stage holds it (a stage changes a
-        sample in place as it passes it on): what a process that goes on from ``state`` may
-        take instead of reading them again. The stream must have been played with
-        ``keep=True``."""
-        seen = self._live.seen if self._live is not None else None
-        if seen is None:
-            raise WdsvlmError("held_samples() needs a stream played with keep=True")
-        return {tuple(p): seen[tuple(p)] for p in state.held_places() if tuple(p) in seen}
 
     def capture(self, live: LiveStream) -> WorkerState:
         """The stream's state now: small lists of places, no sample bytes. What is left to
         read follows the last sample the first stage (the shuffle buffer) took in."""
         state = WorkerState.of(live.read, [run.state() for run in live.runs])
-        state.read = live.read.after(state.shuffle.last, self.plan.share(live.worker))
+        state.read = live.read.after(state.shuffle.last, self.plan.share(live.global_worker))
         return state
 
     def _fetcher(self, again: dict[tuple, dict], before: Sequence[Any]) -> Fetch:
@@ -317,12 +263,12 @@ class Stream(IterableDataset):
 
         return fetch
 
-    def _spans(self, worker: int, read: ReadCursor) -> Iterator[dict]:
+    def _spans(self, global_worker: int, read: ReadCursor) -> Iterator[dict]:
         for pass_, ranges in read.segments:  # places of earlier passes handed to it
-            yield from self.plan.read_spans(pass_, ranges, worker)
+            yield from self.plan.read_spans(pass_, ranges, global_worker)
         pass_ = read.next
         while True:  # pass after pass; every global worker has a share of each
-            yield from self.plan.spans(pass_, worker)
+            yield from self.plan.spans(pass_, global_worker)
             pass_ += 1
 
     def _watched(self, samples: Iterator[dict], live: LiveStream) -> Iterator[dict]:
@@ -332,12 +278,10 @@ class Stream(IterableDataset):
         can hold (the shuffle buffer, a tokenizer batch), and packing took in none of it, no
         batch can come, and that is an error. Runs in the consumer's thread, as do the
         counts it reads."""
-        start, stop = self.plan.share(live.worker)
+        start, stop = self.plan.share(live.global_worker)
         share = stop - start
         limit = 2 * share + self.shuffle.buffer_size + self.tokenize.batch_size + 1
         for sample in samples:
-            if live.seen is not None:
-                live.seen[sample["__pass__"], sample["__pos__"]] = sample
             live.read_since_batch += 1
             if live.read_since_batch > limit and live.pack.accepted == live.accepted_at:
                 raise WdsvlmError(self._no_progress(live, share))
@@ -347,7 +291,7 @@ class Stream(IterableDataset):
         skipped = dict(self.skips.counts)
         dropped = dict(live.pack.stats.dropped)
         return (
-            f"no batch can come: global worker {live.worker} read {live.read_since_batch} "
+            f"no batch can come: global worker {live.global_worker} read {live.read_since_batch} "
             f"samples (its share is {share} a pass) and none could be packed: skipped as bad "
             f"data {skipped or 'none'}, dropped for not fitting {dropped or 'none'} "
             f"(max_length {self.pack.max_length}, max_tiles_per_pack "
@@ -355,7 +299,7 @@ class Stream(IterableDataset):
             "check the data (wdsvlm stats)"
         )
 
-    def _read_again(self, worker: int, places: Sequence[Sequence[int]]) -> dict[tuple, dict]:
+    def _read_again(self, global_worker: int, places: Sequence[Sequence[int]]) -> dict[tuple, dict]:
         """The samples at ``places``, read again through the index. One that cannot be read
         again (its shard changed or went away since the state was saved) is counted as
         skipped with ``on_shard_error="skip"``, else refused, naming it."""
@@ -364,7 +308,7 @@ class Stream(IterableDataset):
             by_pass.setdefault(p, []).append(position)
         out, names = {}, {}
         for p, positions in by_pass.items():
-            spans = self.plan.locate(p, positions, worker)
+            spans = self.plan.locate(p, positions, global_worker)
             for span in spans:
                 for entry, position in zip(span["entries"], span["positions"], strict=True):
                     names[(p, position)] = f"{span['shard']}/{entry['key']}"
@@ -373,7 +317,8 @@ class Stream(IterableDataset):
                     out[(p, sample["__pos__"])] = sample
             except StorageError as e:  # raise mode: a shard of the saved samples is gone
                 raise StorageError(
-                    f"cannot resume: the saved state (global worker {worker}) holds samples "
+                    f"cannot resume: the saved state (global worker {global_worker}) holds "
+                    "samples "
                     f"that cannot be read again: {e}"
                 ) from e
         missing = [tuple(p) for p in places if tuple(p) not in out]
@@ -382,7 +327,7 @@ class Stream(IterableDataset):
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise StorageError(
                 f"cannot resume: {len(missing)} samples the saved state holds (global worker "
-                f"{worker}) could not be read again: {shown}{more}. Their shards changed or "
+                f"{global_worker}) could not be read again: {shown}{more}. Their shards changed or "
                 "went away since the state was saved; restore the shards, or pass "
                 'on_shard_error="skip" to go on without them (counted as skipped)'
             )

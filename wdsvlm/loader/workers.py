@@ -20,24 +20,23 @@ parent, the fork server, lives. So a training process killed outright (SIGKILL, 
 killer) left its fork server and workers running for good, each keeping the other alive.
 ``exit_with_training_process`` breaks that circle in each worker as it starts.
 
-Until the fork server has done its imports (about 1.5 s, once per process; ``spawn``'s workers
-import at every start) new workers cannot start, and the training process would wait with
-nothing to do: ``workers_start_slowly`` says when that is so, and the Loader then makes the
-first batch itself meanwhile (``bridge.py``).
+The fork server is started when the first Loader with workers is built, so that its imports
+(about 1.5 s, once per process) overlap the rest of the set-up. It keeps the environment it
+started with; ``adopt_environ`` gives a worker what the training process set since.
 """
 
 from __future__ import annotations
 
 import ast
+import inspect
 import logging
 import multiprocessing
 import os
 import signal
 import sys
-import threading
 from typing import Any
 
-from ..pipeline.memory import libc
+from .. import compat
 
 log = logging.getLogger("wdsvlm.workers")
 
@@ -48,8 +47,9 @@ _PRELOAD = ("wdsvlm.loader.stream",)
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
-_server_ready = threading.Event()  # set once this process's fork server has started a process
-_server_watch: list[threading.Thread] = []  # the thread that waits for it, once per process
+
+if "forkserver" in multiprocessing.get_all_start_methods():
+    compat.check_forkserver()  # the fork server's private names: fail at import, not in a worker
 
 
 def default_context() -> str:
@@ -79,46 +79,23 @@ def worker_context(name: str, preload: tuple[str, ...] = ()) -> Any:
     if name == "forkserver":
         from multiprocessing import forkserver
 
-        server = forkserver._forkserver  # the process-wide server; its list is private
-        current = list(getattr(server, "_preload_modules", ["__main__"]))
+        current = compat.forkserver_preload()
         wanted = [m for m in (*_PRELOAD, *preload) if m and m not in current]
         if wanted:
             context.set_forkserver_preload(current + wanted)
         forkserver.ensure_running()  # returns at once; the server imports in the background
-        watch_server(context)
     return context
 
 
-def watch_server(context: Any) -> None:
-    """Start (once per process) a thread that starts a process doing nothing through the fork
-    server: ``start()`` returns once the server has done its imports and forked it, and then
-    ``workers_start_slowly`` is false. The thread ends with that process."""
-    if _server_watch:
-        return
-
-    def probe() -> None:
-        process = context.Process(target=os.getpid, daemon=True, name="wdsvlm-probe")
-        try:
-            process.start()
-            process.join()
-        except Exception as e:  # noqa: BLE001 - no server: the workers' own start will say why
-            log.debug("the fork server did not start a process: %s", e)
-            return
-        _server_ready.set()
-
-    thread = threading.Thread(target=probe, daemon=True, name="wdsvlm-fork-server-watch")
-    _server_watch.append(thread)
-    thread.start()
-
-
-def workers_start_slowly(context: Any) -> bool:
-    """Whether DataLoader workers started now with ``context`` take seconds before they can
-    work: ``spawn``'s each import torch and the pipeline; the fork server's wait until it has
-    done its imports (``watch_server``). ``fork``'s start at once."""
-    method = context.get_start_method()
-    if method == "forkserver":
-        return not _server_ready.is_set()
-    return method == "spawn"
+def adopt_environ(environ: dict[str, str]) -> None:
+    """In a worker: set the variables whose values differ in ``environ`` (the training
+    process's environment when it sent the worker its job). A fork server keeps the
+    environment it started with, so its workers would lack what the training process set
+    since (credentials, say), which a forked or spawned worker inherits. Only those are set:
+    what the worker's own environment holds besides stays as it is."""
+    for name, value in environ.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 def exit_with_training_process(worker_id: int) -> None:
@@ -134,22 +111,18 @@ def exit_with_training_process(worker_id: int) -> None:
     training process, which torch's watchdog already follows: nothing to do."""
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver  # the worker's view of the server it came from; private
     trainer = multiprocessing.parent_process()  # the process that asked for this worker
-    if trainer is None or trainer.pid == os.getppid() or server.get_inherited_fds() is None:
+    if trainer is None or trainer.pid == os.getppid() or forkserver.get_inherited_fds() is None:
         return  # its parent is the training process (spawn, fork), or no fork server's child
     if not die_with_parent():
         log.debug("worker %d: no parent-death signal on %s", worker_id, sys.platform)
     # after the signal is asked for: the server cannot end before, while this copy is open
-    alive = server._forkserver_alive_fd
-    if alive is not None:
-        os.close(alive)
-        server._forkserver_alive_fd = None  # a server this worker would start is its own
+    compat.close_forkserver_alive_fd()
 
 
 def die_with_parent() -> bool:
     """Have the kernel SIGKILL this process when its parent ends (Linux); whether it will."""
-    c = libc()
+    c = compat.libc()
     try:
         return c is not None and c.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
     except AttributeError:  # a C library without prctl
@@ -168,7 +141,8 @@ def check_main_guarded(name: str) -> None:
     if main is None or path is None or not path.endswith(".py"):
         return  # python -c, a notebook, an interpreter: workers import no main module
     path = os.path.abspath(path)
-    frame, top = sys._getframe(1), None
+    here = inspect.currentframe()
+    frame, top = here.f_back if here is not None else None, None
     while frame is not None:  # the script's own top-level frame, where this call started
         code = frame.f_code
         if (

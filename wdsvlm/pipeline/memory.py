@@ -10,8 +10,7 @@ writing 128 tiles of 512 px took 45-47 ms instead of 67-71 in private memory, 75
 94-102 in shared memory (docs/performance.md, "Fresh memory for the tiles"). Where the kernel
 cannot, the pages fault in as they are written, as before.
 
-- ``private_uint8``: in the process that trains (0 workers, the first batch made while workers
-  start, Ray actors).
+- ``private_uint8``: in the process that trains (0 workers) and in Ray actors.
 - ``shared_uint8``: in a DataLoader worker, so that the batch crosses to the training process
   without a copy.
 
@@ -23,14 +22,19 @@ allocations), so not made.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import mmap
-import sys
+import os
 from typing import Any
+
+from .. import compat
+
+log = logging.getLogger("wdsvlm.memory")
 
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
 
-_libc: list = []  # loaded once, where there is one
+_refused: list[int] = []  # the errno of the first refusal, logged once
 
 
 def private_uint8(shape: tuple[int, ...]) -> Any:
@@ -48,9 +52,7 @@ def shared_uint8(shape: tuple[int, ...]) -> Any:
     import torch
 
     nbytes = math.prod(shape)
-    # made in shared memory at once: share_memory_() on a private tensor would fault in and
-    # copy a private buffer first
-    storage = torch.UntypedStorage._new_shared(nbytes)
+    storage = compat.new_shared_storage(nbytes)
     tensor = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
     if nbytes:
         populate(tensor.data_ptr(), nbytes)
@@ -60,25 +62,18 @@ def shared_uint8(shape: tuple[int, ...]) -> Any:
 def populate(address: int, nbytes: int) -> bool:
     """Map the pages of ``[address, address + nbytes)`` for writing in one call; whether the
     kernel did (it cannot before Linux 5.14, nor off Linux: the pages then fault in as
-    written)."""
-    c = libc()
+    written; the first refusal is logged, once)."""
+    c = compat.libc()
     if c is None:
         return False
     start = address - address % mmap.PAGESIZE
-    return c.madvise(start, address + nbytes - start, MADV_POPULATE_WRITE) == 0
-
-
-def libc() -> Any:
-    """The C library, loaded once (Linux; ``madvise`` typed for ``populate``), or None where
-    there is none to call."""
-    if not _libc:
-        found = None
-        if sys.platform == "linux":
-            try:
-                found = ctypes.CDLL(None, use_errno=True)
-                found.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                found.madvise.restype = ctypes.c_int
-            except (OSError, AttributeError):  # no C library to call: pages fault in as written
-                found = None
-        _libc.append(found)
-    return _libc[0]
+    if c.madvise(start, address + nbytes - start, MADV_POPULATE_WRITE) == 0:
+        return True
+    if not _refused:
+        _refused.append(ctypes.get_errno())
+        log.info(
+            "the kernel did not map pages ahead (madvise MADV_POPULATE_WRITE: %s); "
+            "they fault in as written",
+            os.strerror(_refused[0]),
+        )
+    return False

@@ -1,0 +1,96 @@
+"""wdsvlm.compat: a transformers without one of the private names wdsvlm.hf relies on fails
+the check (run when wdsvlm.hf is imported) naming transformers, its version and the supported
+range; the Trainer's epoch is found however it is passed."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import re
+import sys
+
+import pytest
+import transformers
+import transformers.core_model_loading
+import transformers.masking_utils
+import transformers.trainer
+
+from wdsvlm import compat
+from wdsvlm.hf.trainer import LoaderTrainerMixin
+
+from .conftest import REPO, run_process
+
+
+def _drop_trainer_method(name):
+    return lambda monkeypatch: monkeypatch.delattr(transformers.Trainer, name)
+
+
+MISSING = {  # what the check names: how it is taken away
+    **{f"Trainer.{name}": _drop_trainer_method(name) for name in compat.TRAINER_METHODS},
+    "Trainer._run_epoch(epoch)": lambda monkeypatch: monkeypatch.setattr(
+        transformers.Trainer, "_run_epoch", lambda self, *args, **kwargs: None
+    ),
+    "transformers.trainer.skip_first_batches": lambda monkeypatch: monkeypatch.delattr(
+        transformers.trainer, "skip_first_batches"
+    ),
+    "ALL_MASK_ATTENTION_FUNCTIONS._global_mapping": lambda monkeypatch: monkeypatch.setattr(
+        type(transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS), "_global_mapping", None
+    ),
+    "PretrainedConfig._attn_implementation": lambda monkeypatch: monkeypatch.delattr(
+        transformers.PretrainedConfig, "_attn_implementation"
+    ),
+    "transformers.core_model_loading.revert_weight_conversion": lambda monkeypatch: (
+        monkeypatch.delattr(transformers.core_model_loading, "revert_weight_conversion")
+    ),
+}
+
+
+@pytest.mark.parametrize("what", list(MISSING))
+def test_a_missing_private_name_fails_the_check_naming_version_and_range(monkeypatch, what):
+    compat.trainer_internals()  # this transformers has them all
+    MISSING[what](monkeypatch)
+    message = (
+        f"transformers {re.escape(transformers.__version__)} is not supported by wdsvlm: "
+        f".*{re.escape(what)}.* is missing or changed "
+        rf"\(supported: transformers {re.escape(compat.TRANSFORMERS_RANGE)}\)"
+    )
+    with pytest.raises(compat.UnsupportedVersionError, match=message):
+        compat.trainer_internals()
+
+
+@pytest.mark.processes
+def test_the_check_runs_when_wdsvlm_hf_is_imported():
+    code = "import transformers.trainer as t; del t.skip_first_batches; import wdsvlm.hf"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    run = run_process([sys.executable, "-c", code], timeout=120, env=env, cwd=REPO)
+    assert run.returncode != 0
+    assert "UnsupportedVersionError: transformers " in run.stderr, run.stderr[-3000:]
+    assert "transformers.trainer.skip_first_batches is missing" in run.stderr
+    assert compat.TRANSFORMERS_RANGE in run.stderr
+
+
+def test_every_trainer_private_method_wdsvlm_hf_overrides_is_checked():
+    overridden = {
+        name
+        for name in vars(LoaderTrainerMixin)
+        if name.startswith("_") and not name.startswith("__")
+    }
+    assert overridden and overridden <= set(compat.TRAINER_METHODS)
+
+
+def test_the_epoch_is_found_passed_by_position_or_by_keyword():
+    run_epoch = functools.partial(transformers.Trainer._run_epoch, None)  # as if bound
+    names = list(inspect.signature(run_epoch).parameters)
+    values = {name: f"<{name}>" for name in names}
+    values["epoch"] = 3
+    positional = tuple(values[n] for n in names)
+    assert compat.run_epoch_epoch(run_epoch, positional, {}) == 3
+    assert compat.run_epoch_epoch(run_epoch, (), values) == 3
+    assert compat.run_epoch_epoch(run_epoch, positional[:2], dict(list(values.items())[2:])) == 3
+
+
+def test_the_names_give_what_wdsvlm_hf_reads_of_them():
+    assert {"sdpa", "flash_attention_2"} <= compat.mask_attention_implementations()
+    config = transformers.AutoConfig.for_model("llama", attn_implementation="sdpa")
+    assert compat.attention_implementation(config) == "sdpa"
