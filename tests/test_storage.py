@@ -4,10 +4,14 @@ between the client and the S3 server."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
+import hashlib
 import json
 import multiprocessing
 import os
+import random
 import threading
 import time
 
@@ -22,7 +26,7 @@ from wdsvlm.errors import ObjectNotFoundError
 from wdsvlm.pipeline.order import span
 from wdsvlm.pipeline.read import ReadSamples
 from wdsvlm.storage.fs import ReadPolicy, is_transient, read_range
-from wdsvlm.testing.stores import range_server
+from wdsvlm.testing.stores import RangeServer, range_server
 
 from .conftest import EXAMPLE, run_cli
 from .faults import FaultProxy
@@ -329,9 +333,136 @@ def test_worker_processes_fill_one_cache_together(s3_bucket, tmp_path):
     assert shared == batches_of(EXAMPLE, num_workers=2)
     cached = wdsvlm.storage.cache.ShardCache(str(tmp_path / "cache"))
     assert sorted(os.listdir(tmp_path / "cache")) == sorted(  # each shard once, by its sha256
-        os.path.basename(cached.path(shard["sha256"]))
-        for shard in wdsvlm.load_index(EXAMPLE)["shards"]
+        [".lock"]  # and the lock taken while making room: no fetch left behind
+        + [os.path.basename(cached.path(s["sha256"])) for s in wdsvlm.load_index(EXAMPLE)["shards"]]
     )
+
+
+class CountingServer(RangeServer):
+    """A ``RangeServer`` that also counts, in ``served``, the body bytes its GETs sent."""
+
+    def __init__(self, folder: str, delay: float = 0.0):
+        super().__init__(folder, delay)
+        self.served, counted, server = 0, threading.Lock(), self
+
+        class Counting(self.RequestHandlerClass):
+            def send_header(self, name, value):
+                if self.command == "GET" and name == "Content-Length":
+                    with counted:
+                        server.served += int(value)
+                super().send_header(name, value)
+
+        self.RequestHandlerClass = Counting
+
+
+@contextlib.contextmanager
+def counting_store(folder: str, sizes: list[int], delay: float):
+    """Blobs of random bytes of these sizes in ``folder``, served on 127.0.0.1 by a
+    ``CountingServer`` answering each ranged read ``delay`` seconds late; yields the server and
+    the shards as ``(url, local path, size, sha256)``."""
+    os.makedirs(folder)
+    shards = []
+    for i, size in enumerate(sizes):
+        data = os.urandom(size)
+        path = os.path.join(folder, f"blob-{i:02d}.tar")
+        with open(path, "wb") as f:
+            f.write(data)
+        shards.append((f"blob-{i:02d}.tar", path, size, hashlib.sha256(data).hexdigest()))
+    server = CountingServer(folder, delay)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server, [(f"{server.url}/{name}", *rest) for name, *rest in shards]
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
+        server.server_close()
+
+
+def read_through_cache(folder, bound, shards, passes, seed, barrier) -> None:
+    """A reader process: each shard of ``shards`` in turn, ``passes`` times, three ranges of
+    each read through a ``ShardCache`` and checked against the file the store serves."""
+    cache = wdsvlm.storage.cache.ShardCache(folder, bound)
+    policy = ReadPolicy(block_bytes=16 * 1024, attempts=4, backoff=0.01, timeout=10)
+    rng = random.Random(seed)
+    barrier.wait(timeout=120)
+    for _ in range(passes):
+        for url, path, size, sha256 in shards:
+            with open(path, "rb") as f:
+                data = f.read()
+            for _ in range(3):
+                start = rng.randrange(size)
+                stop = min(size, start + rng.randrange(1, 20_000))
+                got = cache.read(url, size, start, stop, None, policy, sha256=sha256)
+                assert got == data[start:stop], f"{url} [{start}, {stop}): wrong bytes"
+
+
+def run_readers(count: int, args_of, timeout: float, sample=None) -> None:
+    """``count`` forked ``read_through_cache`` processes (``args_of(i)``: their arguments),
+    started together; ``sample()`` is called every few milliseconds while they run. A process
+    that fails fails the test, and so does one still running after ``timeout`` seconds."""
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(count)
+    readers = [
+        context.Process(target=read_through_cache, args=(*args_of(i), barrier), daemon=True)
+        for i in range(count)
+    ]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while any(r.is_alive() for r in readers) and time.monotonic() < deadline:
+            if sample is not None:
+                sample()
+            time.sleep(0.002)
+        late = [r.pid for r in readers if r.is_alive()]
+        assert not late, f"readers {late} still running after {timeout} s"
+    finally:
+        for reader in readers:
+            reader.kill()
+            reader.join(timeout=10)
+    assert [r.exitcode for r in readers] == [0] * count
+
+
+@pytest.mark.processes
+def test_a_shard_cache_shared_by_processes_never_holds_more_than_its_bound(tmp_path):
+    folder, size = str(tmp_path / "cache"), 64 * 1024
+    bound = 2 * size
+    most = [0]
+
+    def sample():
+        # under the cache's folder lock (the one it holds while it makes room and reserves a
+        # fetch's bytes), so that the files counted are those of one moment
+        with open(os.path.join(folder, ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            total = 0
+            for entry in os.scandir(folder):
+                if entry.name.endswith(".tar") or ".fetch" in entry.name:  # in-flight fetches
+                    with contextlib.suppress(FileNotFoundError):
+                        total += entry.stat().st_size
+        most[0] = max(most[0], total)
+
+    with counting_store(str(tmp_path / "store"), [size] * 12, delay=0.005) as (_, shards):
+        os.makedirs(folder)
+
+        def args_of(i):  # each reader in its own order
+            return folder, bound, shards[3 * i :] + shards[: 3 * i], 2, i
+
+        run_readers(4, args_of, timeout=240, sample=sample)
+    assert 0 < most[0] <= bound, f"{most[0]} bytes in a cache bounded at {bound}"
+    assert 0 < wdsvlm.storage.cache.ShardCache(folder).size() <= bound
+
+
+@pytest.mark.processes
+def test_a_shard_cache_shared_by_processes_fetches_each_shard_once(tmp_path):
+    folder = str(tmp_path / "cache")
+    sizes = [256 * 1024] * 6 + [100_000]
+    with counting_store(str(tmp_path / "store"), sizes, delay=0.01) as (server, shards):
+        run_readers(4, lambda i: (folder, 2**30, shards, 1, i), timeout=240)
+        served = server.served
+    # all four read the same shards at the same time: each shard comes from the store once
+    assert served <= 1.1 * sum(sizes), f"{served / sum(sizes):.2f}x the dataset's bytes"
+    assert wdsvlm.storage.cache.ShardCache(folder).size() == sum(sizes)
 
 
 def test_memory_and_http_sources_give_the_same_batches(local_batches, tmp_path):

@@ -10,20 +10,30 @@ and sha256 the index gives, and renamed into place: a cached file is always comp
 holds the bytes its name says. A shard whose index records no sha256 is not cached (its
 bytes could not be told from a rewrite's): it is read from the store each time.
 
-Processes that need the same shard at the same time each fetch it, and the last rename wins
-(the bytes are the same); so no lock can be left stale by a crashed process (a partial fetch
-it left behind is removed after an hour without writes). Before a shard is added, the least
-recently used files are evicted until it fits in ``max_bytes``; a shard larger than that, or
-a disk that fails, is read from the store instead.
+Processes that share the folder coordinate through ``flock`` locks, which the kernel drops
+when their process dies, so none is left stale:
+
+- One fetch at a time per shard: the temporary file ``.<sha256>.fetch`` is locked by the
+  process (or thread) that fills it. Others that need that shard meanwhile wait until it is
+  renamed into place and read it from disk (should the fetch fail, the next of them fetches):
+  the ranks and workers of a machine that read a shard together pull it from the store once.
+  A temporary file found unlocked was left by a process that died mid-fetch: it is removed.
+- The bound: ``.lock`` is held briefly while the least recently used shards are evicted and
+  the temporary file is grown to the shard's full size (a reservation that every other
+  process counts), and while a fetched file is renamed into place. So the cached shards and
+  the fetches under way never hold more than ``max_bytes`` together. Where no room can be
+  made (the rest is reserved by fetches under way), or the shard is larger than
+  ``max_bytes``, or the disk fails, the range is read from the store, uncached.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import re
-import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -67,15 +77,15 @@ class ShardCache:
         no sha256 (or not one of 64 hex digits) the range is read from the store, uncached."""
         if size > self.max_bytes or not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
             return read_range(url, start, stop, storage_options, policy)
-        path = self.path(sha256)
-        for _ in range(3):  # another process may evict the file between the check and open
+        for _ in range(5):  # another process may evict the file, or rename it into place, under us
             try:
-                if not _complete(path, size):
-                    self._fetch(url, size, sha256.lower(), path, storage_options, policy)
-                with open(path, "rb") as f:
-                    os.utime(f.fileno())  # recently used: evicted last
-                    f.seek(start)
-                    return f.read(stop - start)
+                fd = self._open(url, size, sha256.lower(), storage_options, policy)
+                if fd is None:  # no room: the rest of the bound is being fetched
+                    break
+                try:
+                    return os.pread(fd, stop - start, start)
+                finally:
+                    os.close(fd)
             except FileNotFoundError:
                 continue
             except OSError as e:  # a full or broken disk: the cache steps aside
@@ -83,58 +93,160 @@ class ShardCache:
                 break
         return read_range(url, start, stop, storage_options, policy)
 
-    def _fetch(self, url, size, sha256, path, storage_options, policy) -> None:
-        self._evict(size)
-        fd, tmp = tempfile.mkstemp(prefix=".fetch-", suffix=".tmp", dir=self.folder)
+    def _open(self, url, size, sha256, storage_options, policy) -> int | None:
+        """A descriptor of the complete shard, fetched first if needed; None: no room."""
+        path = self.path(sha256)
+        fd = _open_complete(path, size)
+        if fd is not None:
+            return fd
+        tmp = os.path.join(self.folder, f".{sha256}.fetch")
+        lock = _lock(tmp, wait=True)  # another process may be fetching it: wait for it
+        if lock is None:
+            raise FileNotFoundError(tmp)  # renamed into place, or removed, while we waited
         try:
-            digest = hashlib.sha256()
-            with os.fdopen(fd, "wb") as f:
-                block = (policy or ReadPolicy()).block_bytes
-                for at in range(0, size, block):
-                    data = read_range(url, at, min(size, at + block), storage_options, policy)
-                    digest.update(data)
-                    f.write(data)
-            got = os.path.getsize(tmp)
-            if got != size or digest.hexdigest() != sha256:
-                raise StorageError(
-                    f"{url}: {got} bytes, sha256 {digest.hexdigest()[:12]}...; the index says "
-                    f"{size} bytes, sha256 {sha256[:12]}...: the shard changed since its index "
-                    "was written, not cached"
-                )
-            os.replace(tmp, path)
+            fd = _open_complete(path, size)
+            if fd is not None:  # fetched by another while we waited
+                _unlink(tmp)
+                return fd
+            os.ftruncate(lock, 0)  # what a process that died mid-fetch left
+            try:
+                with self._locked():
+                    if not self._evict(size):
+                        _unlink(tmp)
+                        return None
+                    os.ftruncate(lock, size)  # reserved: other processes count it
+                self._fill(lock, url, size, sha256, storage_options, policy)
+            except BaseException:
+                _unlink(tmp)  # still ours: we hold its lock
+                raise
+            with self._locked():
+                os.replace(tmp, path)
             log.debug("cached %s (%d bytes) as %s", url, size, path)
+            fd, lock = lock, None
+            return fd
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            if lock is not None:
+                os.close(lock)
 
-    def _evict(self, incoming: int) -> None:
+    def _fill(self, fd, url, size, sha256, storage_options, policy) -> None:
+        digest, at = hashlib.sha256(), 0
+        block = (policy or ReadPolicy()).block_bytes
+        while at < size:
+            data = read_range(url, at, min(size, at + block), storage_options, policy)
+            if not data:
+                break
+            digest.update(data)
+            os.pwrite(fd, data, at)
+            at += len(data)
+        if at != size or digest.hexdigest() != sha256:
+            raise StorageError(
+                f"{url}: {at} bytes, sha256 {digest.hexdigest()[:12]}...; the index says "
+                f"{size} bytes, sha256 {sha256[:12]}...: the shard changed since its index "
+                "was written, not cached"
+            )
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """The folder's lock, held while room is made and reserved, and while a fetched shard
+        is renamed into place (so that a scan counts its bytes under one name or the other)."""
+        fd = os.open(os.path.join(self.folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _evict(self, incoming: int) -> bool:
+        """Under the folder's lock: evicts the least recently used shards until ``incoming``
+        more bytes fit; False if they cannot."""
         files, fetching = [], 0
         for entry in os.scandir(self.folder):
+            if entry.name.endswith(".fetch"):
+                stale = _lock(entry.path, wait=False)
+                if stale is not None:  # its process died mid-fetch
+                    _unlink(entry.path)
+                    os.close(stale)
+                    continue
+            elif not entry.name.endswith(".tar"):
+                continue
             try:
                 stat = entry.stat()
-            except FileNotFoundError:  # another process evicted or renamed it just now
+            except FileNotFoundError:  # a failed fetch's, removed just now
                 continue
             if entry.name.endswith(".tar"):
                 files.append((stat.st_mtime, stat.st_size, entry.path))
-            elif entry.name.startswith(".fetch-"):
-                if time.time() - stat.st_mtime > _STALE_FETCH:  # its process died mid-fetch
-                    _unlink(entry.path)
-                else:
-                    fetching += stat.st_size
-        total = sum(size for _, size, _ in files) + fetching
+            else:
+                fetching += stat.st_size
+        if fetching + incoming > self.max_bytes:
+            return False  # evicting every shard would not make room
+        total = fetching + sum(size for _, size, _ in files)
         for _, size, victim in sorted(files):
             if total + incoming <= self.max_bytes:
                 break
             _unlink(victim)
             total -= size
+        return total + incoming <= self.max_bytes
 
     def size(self) -> int:
         """Bytes of cached shards now."""
         return sum(e.stat().st_size for e in os.scandir(self.folder) if e.name.endswith(".tar"))
 
 
-_STALE_FETCH = 3600  # seconds without a write: a fetch whose process is gone
+_POLL = 0.02  # seconds between looks at a lock another process holds
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+
+
+def _lock(path: str, wait: bool) -> int | None:
+    """A descriptor of ``path`` (created if ``wait``) holding its exclusive ``flock``, or None:
+    another process holds it (and not ``wait``), or the file was renamed or removed first.
+    A waiter polls, so that it stops waiting once the file is renamed into place even if a
+    process forked meanwhile still holds the lock."""
+    try:
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT if wait else 0), 0o644)
+    except FileNotFoundError:
+        return None
+    locked = False
+    try:
+        while os.fstat(fd).st_ino == _inode(path):  # still the file that path names
+            if locked:
+                return fd
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+            except BlockingIOError:  # another process is fetching it
+                if not wait:
+                    break
+                time.sleep(_POLL)
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
+def _inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _open_complete(path: str, size: int) -> int | None:
+    """A descriptor of the cached shard at ``path`` if it is there whole (and now recently
+    used: evicted last), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        if os.fstat(fd).st_size == size:
+            os.utime(fd)
+            return fd
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
 
 
 def _unlink(path: str) -> None:
@@ -142,10 +254,3 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _complete(path: str, size: int) -> bool:
-    try:
-        return os.path.getsize(path) == size
-    except FileNotFoundError:
-        return False
