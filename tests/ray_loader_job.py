@@ -274,6 +274,87 @@ def faults(work: str) -> dict:
     return found
 
 
+def edges(work: str) -> dict:
+    """A shape no node offers now, with get_timeout set (an autoscaler may add the node); an
+    error raised while an actor's stream starts; an address ignored because Ray is connected
+    already; the stats of an epoch in which an actor was killed."""
+    from wdsvlm.loader.ray_workers import connect
+
+    data = os.path.join(work, "data")
+    found: dict = {}
+    lines = Lines()
+    logging.getLogger("wdsvlm.loader").addHandler(lines)
+    options = {"num_workers": 2, "world_size": 1, "rank": 0}
+    with ray_session(3):
+        # no node offers cpu_node now; with get_timeout set: a warning, then the timeout
+        waits = wdsvlm.RayWorkers(resources={"cpu_node": 1}, get_timeout=3)
+        loader = wdsvlm.Loader(data, TOKENIZER, workers=waits, **SETTINGS, **options)
+        started = time.monotonic()
+        try:
+            next(iter(loader))
+            found["wait"] = ["no error"]
+        except Exception as e:  # noqa: BLE001 - what the trainer sees
+            found["wait"] = [type(e).__name__, str(e), time.monotonic() - started, lines.lines[:]]
+        loader.close()
+        lines.lines.clear()
+        # an address other than the cluster this process is connected to: ignored, said so
+        here = ray.get_runtime_context().gcs_address
+        for address in ("127.0.0.1:1", here, "auto"):
+            connect(wdsvlm.RayWorkers(address=address))
+        found["address"] = [here, lines.lines[:]]
+        lines.lines.clear()
+        found["start-error"] = start_error(work, options)
+        found["start-error"].append(lines.lines[:])
+        lines.lines.clear()
+        # an actor killed mid-epoch: the epoch's stats equal an undisturbed run's
+        drops = {**SETTINGS, "max_tiles_per_pack": 3, "max_length": 96}  # many drops
+        killed = []
+
+        def stats(each=None) -> dict:
+            loader = wdsvlm.Loader(data, TOKENIZER, workers=wdsvlm.RayWorkers(), **drops, **options)
+            for step, _ in enumerate(loader, 1):
+                if each is not None:
+                    each(step)
+            figures = loader.stats()
+            loader.close()
+            return figures
+
+        found["stats-undisturbed"] = stats()
+        found["stats-killed"] = stats(lambda step: step == 2 and killed.append(kill_an_actor()))
+        found["stats-restarts"] = [line for line in lines.lines if "restarting" in line]
+    return found
+
+
+def start_error(work: str, options: dict) -> list:
+    """A state whose held samples' shard went away since: the stream of the worker asked
+    first cannot resume. With Ray workers (3 restarts allowed) and with local workers: the
+    error's type, message and how long it took."""
+    data = os.path.join(work, "shard-gone")
+    shutil.copytree(os.path.join(work, "data"), data)
+    loader = wdsvlm.Loader(data, TOKENIZER, workers="local", **SETTINGS, **options)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    state = loader.state_dict()
+    loader.close()
+    first = 3 % options["num_workers"]  # the worker the resumed epoch asks first
+    place = state["workers"][first]["window"]["places"][0]  # a sample its window holds
+    shard = wdsvlm.pipeline.plan.Plan(data).locate(place[0], [place[1]])[0]["shard"]
+    os.remove(os.path.join(data, shard))
+    out = []
+    for workers in (wdsvlm.RayWorkers(max_restarts=3), "local"):
+        resumed = wdsvlm.Loader(data, TOKENIZER, workers=workers, **SETTINGS, **options)
+        resumed.load_state_dict(state)
+        started = time.monotonic()
+        try:
+            next(iter(resumed))
+            out.append(["no error"])
+        except Exception as e:  # noqa: BLE001 - what the trainer sees
+            out.append([type(e).__name__, str(e), time.monotonic() - started])
+        resumed.close()
+    return out
+
+
 DRIVER = """
 import os, sys, time, wdsvlm
 from tests.test_ddp import SETTINGS, TOKENIZER
@@ -400,4 +481,5 @@ if __name__ == "__main__":
         faulthandler.dump_traceback_later(float(sys.argv[3]), exit=True)
         rank(sys.argv[2])
     else:
-        run_case({"suite": suite, "faults": faults, "ray_train": ray_train, "torchrun": torchrun})
+        cases = {"suite": suite, "faults": faults, "edges": edges}
+        run_case({**cases, "ray_train": ray_train, "torchrun": torchrun})

@@ -5,6 +5,8 @@ tests/ray_loader_job.py; here its findings are checked. Nothing may be left behi
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from .test_ddp import SHARD_SIZES, write_uneven
@@ -126,5 +128,118 @@ def test_the_loader_with_ray_workers_runs_inside_ray_train(work, suite):
         assert digests == suite[f"same-{rank}"][0]  # the local workers' batches of that rank
 
 
-def test_ray_workers_leave_no_process_behind(suite):
+@pytest.fixture(scope="module")
+def edges(work):
+    return run_job(work, "edges", limit=300, module=MODULE)
+
+
+def test_a_shape_no_node_offers_now_is_waited_for_with_a_warning_when_get_timeout_is_set(edges):
+    name, message, seconds, logged = edges["wait"]
+    assert name == "WdsvlmError" and "get_timeout" in message, edges["wait"]  # not refused
+    assert seconds >= 3
+    assert any("1 cpu_node per worker" in line and "get_timeout=3" in line for line in logged)
+
+
+def test_an_error_while_an_actor_starts_is_raised_at_once_as_it_is(edges):
+    on_ray, local, logged = edges["start-error"]
+    assert on_ray[0] == local[0] == "StorageError", edges["start-error"]
+    assert "cannot resume" in on_ray[1].splitlines()[0]
+    assert on_ray[1].splitlines()[0] in local[1]  # the same message (DataLoader adds a banner)
+    assert not [line for line in logged if "restarting" in line]  # no retries
+
+
+def test_an_address_ignored_for_the_ray_this_process_is_connected_to_is_logged(edges):
+    here, logged = edges["address"]
+    assert len(logged) == 1, logged  # its own cluster's address, and "auto", are not
+    assert "address='127.0.0.1:1'" in logged[0] and here in logged[0]
+
+
+def test_the_stats_of_an_epoch_with_a_restarted_actor_count_what_came_before(edges):
+    assert len(edges["stats-restarts"]) == 1, edges["stats-restarts"]
+    undisturbed, killed = edges["stats-undisturbed"], edges["stats-killed"]
+    assert sum(undisturbed["dropped"].values()) > 20, undisturbed
+    assert killed == undisturbed
+
+
+def fake_ray(monkeypatch, connected: bool = False, nodes=()):
+    """Ray's calls that ``connect`` and ``check_feasible`` make, without a Ray: what was
+    asked of ``ray.init`` is recorded, nothing starts."""
+    import ray
+
+    inits = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: connected)
+    monkeypatch.setattr(ray, "init", lambda **kw: inits.append(kw))
+    monkeypatch.setattr(ray, "nodes", lambda: list(nodes))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return inits
+
+
+@pytest.mark.parametrize("world", ["env", "torch.distributed"])
+def test_no_address_in_a_job_of_several_ranks_is_refused_not_a_local_ray_each(monkeypatch, world):
+    import torch.distributed as dist
+
+    import wdsvlm
+    from wdsvlm.loader.ray_workers import connect
+
+    inits = fake_ray(monkeypatch)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    if world == "env":
+        monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets
+    else:
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 4)
+    with pytest.raises(wdsvlm.WdsvlmError, match="RAY_ADDRESS") as raised:
+        connect(wdsvlm.RayWorkers())
+    assert "ray start --head" in str(raised.value) and "address=" in str(raised.value)
+    assert not inits  # no local Ray started
+    connect(wdsvlm.RayWorkers(address="10.0.0.5:6379"))  # a cluster named: joined
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    connect(wdsvlm.RayWorkers())
+    assert [i["address"] for i in inits] == ["10.0.0.5:6379", None]
+
+
+def test_no_address_in_a_job_of_one_process_starts_a_local_ray(monkeypatch):
+    import wdsvlm
+    from wdsvlm.loader.ray_workers import connect
+
+    inits = fake_ray(monkeypatch)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    connect(wdsvlm.RayWorkers())
+    assert inits == [{"address": None, "include_dashboard": False}]
+
+
+def node(alive: bool, **resources) -> dict:
+    return {"Alive": alive, "Resources": {"CPU": 8.0, "node:10.0.0.1": 1.0, **resources}}
+
+
+@pytest.mark.parametrize(
+    "nodes, get_timeout, refused",
+    [
+        ([node(True)], None, True),  # nothing offers it, nothing may come: refused at once
+        ([node(True)], 600, False),  # waits for it, at most get_timeout
+        ([node(True), node(False, preprocess=4.0)], None, False),  # left: an autoscaler's
+        ([node(True), node(False, other=4.0)], None, True),
+    ],
+)
+def test_a_shape_no_running_node_offers_is_refused_unless_one_may_come(
+    monkeypatch, caplog, nodes, get_timeout, refused
+):
+    import wdsvlm
+    from wdsvlm.loader.ray_workers import check_feasible
+
+    fake_ray(monkeypatch, connected=True, nodes=nodes)
+    options = wdsvlm.RayWorkers(resources={"preprocess": 1}, get_timeout=get_timeout)
+    with caplog.at_level(logging.WARNING, logger="wdsvlm.loader"):
+        if refused:
+            with pytest.raises(wdsvlm.WdsvlmError, match="1 preprocess per worker.*get_timeout"):
+                check_feasible(options)
+        else:
+            check_feasible(options)
+    warned = [r.getMessage() for r in caplog.records if r.name == "wdsvlm.loader"]
+    assert len(warned) == (0 if refused else 1), warned
+    if not refused:
+        assert "1 preprocess per worker" in warned[0] and "CPU" in warned[0]
+
+
+def test_ray_workers_leave_no_process_behind(suite, edges):
     assert_no_ray_process()

@@ -86,8 +86,8 @@ def remap(
     unread, later = unread_ranges(old, pass_size)
     new_workers = world_size * workers_per_rank
     out = []
-    for role in range(workers_per_rank):
-        number = rank * workers_per_rank + role
+    for slot in range(workers_per_rank):
+        number = rank * workers_per_rank + slot
         segments = []
         for pass_, ranges in unread.items():
             part = split(ranges, number, new_workers)

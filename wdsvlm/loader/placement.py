@@ -23,8 +23,11 @@ class RayWorkers:
     ``address``: what ``ray.init(address=...)`` takes (``"HOST:PORT"`` of a ``ray start
     --head`` cluster, ``"auto"``, a ``ray://`` client address); None joins the Ray this process
     is connected to already (``ray.init`` was called, or it runs inside Ray Train), else the
-    cluster ``RAY_ADDRESS`` names, else starts a local one. ``init_options`` go to
-    ``ray.init`` when this connects.
+    cluster ``RAY_ADDRESS`` names, else starts a local one: in a job of several processes
+    (``WORLD_SIZE`` or ``torch.distributed``'s world size over 1) that is refused, as each rank
+    would start its own Ray claiming every CPU of its node. A process connected to Ray already
+    keeps that connection: an ``address`` naming another cluster is ignored, with a warning.
+    ``init_options`` go to ``ray.init`` when this connects.
     ``cpus_per_worker``: the CPUs each actor reserves. ``resources`` (custom resources, e.g.
     ``{"preprocess": 1}`` for nodes started with ``--resources``), ``label_selector`` (node
     labels), ``scheduling_strategy`` (e.g. Ray's ``NodeAffinitySchedulingStrategy``) and
@@ -34,9 +37,14 @@ class RayWorkers:
     object store); a slow trainer slows the actors instead of growing memory.
     ``max_restarts``: actors that die (their process killed, their node lost) in one epoch of
     one rank and are started again from the state that rode with the last batch taken from
-    them; one more and the Loader raises, naming the worker and the cause.
+    them; one more and the Loader raises, naming the worker and the cause. An error the
+    stream raises (also while it starts: a state that cannot resume) is not a death: it is
+    raised at once, as local workers raise it.
     ``get_timeout``: seconds to wait for one batch before raising (None: no limit; a dead
-    actor is noticed by Ray whatever this is).
+    actor is noticed by Ray whatever this is). Actors no node running now can hold are
+    refused at once, unless ``get_timeout`` is set or a node that could hold them has left
+    the cluster: then a warning, and the actors wait for an autoscaler to add such a node
+    (the first batch's wait includes the node's start: allow for it).
     """
 
     address: str | None = None
