@@ -9,7 +9,10 @@ import json
 import logging
 import os
 import re
+import shutil
+import sys
 import tarfile
+import types
 from collections import Counter
 
 import numpy as np
@@ -19,7 +22,7 @@ import torch
 import wdsvlm
 from wdsvlm.errors import WdsvlmError
 
-from .conftest import REPO
+from .conftest import REPO, run_process
 
 DATA = os.path.join(REPO, "shards_example")
 SMALL = dict(
@@ -32,6 +35,7 @@ SMALL = dict(
     pack_window=64,
 )
 DROPPED = "shapes_text"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def sources() -> dict[str, str]:
@@ -209,3 +213,121 @@ def test_a_map_the_workers_cannot_get_is_refused_at_once():
         loader(map=augment, map_errors="ignore")
     with pytest.raises(ValueError, match="image_map must be a function"):
         loader(image_map=3)
+
+
+def test_a_negative_seed_seeds_the_map_as_any_other():
+    # the seed is hashed, as the pass's order hashes it: a negative one is a seed like another
+    taken = {}
+    for seed in (-1, -1, 5):
+        data_loader = loader(map=augment, image_map=noise, seed=seed, batches_per_epoch=4)
+        batches = list(data_loader)
+        assert set(data_loader.stats()["skipped"]) == {"filtered"}  # augment's drops alone
+        taken.setdefault(seed, []).append(batches)
+    runs = taken[-1]
+    assert all(
+        torch.equal(a[name], b[name])
+        for a, b in zip(*runs, strict=True)
+        for name in ("input_ids", "pixel_values")
+    )
+    assert not torch.equal(runs[0][0]["input_ids"], taken[5][0][0]["input_ids"])
+
+
+def content_as_list(sample, rng):
+    """A mistake of the map's: shapes_vqa's messages with list content."""
+    if sample["source"] == "shapes_vqa":
+        for message in sample["messages"]:
+            message["content"] = [message["content"]]
+    return sample
+
+
+def test_messages_a_map_spoils_are_its_error_and_broken_json_is_still_invalid_json(tmp_path):
+    data = shutil.copytree(DATA, tmp_path / "data", ignore=shutil.ignore_patterns("tokenizer"))
+    shard = os.path.join(data, "shapes-000000.tar")
+    with tarfile.open(shard) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith(".json"))
+    raw = bytearray(open(shard, "rb").read())
+    raw[member.offset_data] = ord("#")  # the record's first byte: its JSON no longer parses
+    open(shard, "wb").write(bytes(raw))
+    broken = f"shapes-000000.tar/{member.name.removesuffix('.json')}"
+    spoiled = wdsvlm.Loader(
+        str(data), os.path.join(DATA, "tokenizer"), map=content_as_list, **SMALL
+    )
+    for _ in spoiled:
+        pass
+    stats = spoiled.stats()
+    by_source = sources()
+    assert stats["skipped"]["map_error"] >= 101  # every shapes_vqa sample, once per pass read
+    assert {by_source[k] for k in stats["skipped_examples"]["map_error"]} == {"shapes_vqa"}
+    assert set(stats["skipped_examples"]["invalid_json"]) == {broken}
+    with pytest.raises(WdsvlmError, match=r"map content_as_list returned .*shapes-\d+\.tar/\d+"):
+        for _ in loader(map=content_as_list, map_errors="raise"):
+            pass
+
+
+MAIN_MAPS = """
+import functools, os, sys
+import wdsvlm
+
+DATA = sys.argv[1]
+SMALL = dict(max_length=1024, batch_size=2, tile_size=64, max_image_side=128,
+             tokens_per_tile=4, shuffle_buffer=64, pack_window=64, batches_per_epoch=2)
+
+def in_main(sample, rng):
+    return sample
+
+class Jitter:
+    def __call__(self, pixels, rng):
+        return pixels
+
+def build(**extra):
+    try:
+        data_loader = wdsvlm.Loader(DATA, os.path.join(DATA, "tokenizer"), **SMALL, **extra)
+    except ValueError as e:
+        print("refused:", e, flush=True)
+        return None
+    print("built", flush=True)
+    return data_loader
+
+build(map=in_main, num_workers=1)
+build(image_map=Jitter(), num_workers=1, multiprocessing_context="spawn")
+build(map=functools.partial(in_main), num_workers=1)
+build(map=lambda sample, rng: sample, num_workers=1)
+build(map=in_main)
+forked = build(map=in_main, image_map=lambda pixels, rng: pixels, num_workers=1,
+               multiprocessing_context="fork")
+print("batches", len(list(forked)), flush=True)
+"""
+
+
+@pytest.mark.processes
+def test_a_function_of_a_notebook_is_refused_at_build_with_the_fix():
+    # python -c: a __main__ without a file, as in a notebook, that spawn and fork server
+    # workers cannot import; fork workers inherit it, and no workers need nothing
+    out = run_process(
+        [sys.executable, "-c", MAIN_MAPS, DATA], timeout=240, env={**os.environ, **OFFLINE}
+    )
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert len(lines) == 7, out.stdout
+    fixes = r"num_workers=0.*multiprocessing_context=\"fork\""
+    assert re.match(rf"refused: map=in_main is defined in __main__ .*{fixes}", lines[0])
+    assert "forkserver" in lines[0] and "a module" in lines[0]
+    assert re.match(rf"refused: image_map=.*Jitter.* __main__.*'spawn'.*{fixes}", lines[1])
+    assert re.match(rf"refused: map=functools.partial.* uses __main__.in_main.*{fixes}", lines[2])
+    assert re.match(rf"refused: map=<lambda> cannot be pickled.*{fixes}", lines[3])
+    assert lines[4:] == ["built", "built", "batches 2"]
+
+
+def test_the_check_follows_what_workers_can_import(monkeypatch):
+    from wdsvlm.pipeline.usermap import check_workers_get
+
+    notebook = types.ModuleType("__main__")  # no file, as a notebook's
+    exec("def fn(sample, rng):\n    return sample\n", notebook.__dict__)
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    fn = notebook.fn
+    with pytest.raises(ValueError, match="map=fn is defined in __main__"):
+        check_workers_get(fn, "map", "forkserver")
+    check_workers_get(fn, "map", "fork")  # fork workers inherit it
+    check_workers_get(augment, "map", "spawn")  # a module's: imported by name
+    notebook.__file__ = "/somewhere/train.py"  # a script's: workers import it again
+    check_workers_get(fn, "map", "spawn")

@@ -19,7 +19,7 @@ from ..pipeline.read import ReadSamples
 from ..pipeline.shuffle import Shuffle
 from ..pipeline.stats import SkipStats
 from ..pipeline.tokenize import Tokenize
-from ..pipeline.usermap import ImageMap, SampleMap
+from ..pipeline.usermap import ImageMap, SampleMap, check_workers_get
 from ..storage.cache import ShardCache
 from .placement import LOCAL
 from .settings import LoaderSettings, resume_config
@@ -227,20 +227,10 @@ def shards_sha256(plan: Plan) -> str:
 
 
 def user_step(kind: type, fn: Any, settings: LoaderSettings) -> Any:
-    """The user's ``map`` or ``image_map`` as its stage step, checked picklable when
-    DataLoader workers run it (they get it pickled)."""
+    """The user's ``map`` or ``image_map`` as its stage step, checked that DataLoader
+    workers can get it (Ray's get it by value)."""
     if fn is None:
         return None
     if settings.num_workers and settings.workers == LOCAL:
-        import pickle
-
-        try:
-            pickle.dumps(fn)
-        except Exception as e:  # noqa: BLE001 - any pickling failure means the same
-            name = getattr(fn, "__qualname__", repr(fn))
-            raise ValueError(
-                f"{name} cannot be pickled ({type(e).__name__}: {e}), and the DataLoader's "
-                "workers get it pickled: define it at the top level of a module (not a lambda "
-                "or a nested function), or use num_workers=0"
-            ) from None
+        check_workers_get(fn, kind.kind, check_context(settings.multiprocessing_context))
     return kind(fn, settings.seed, settings.map_errors)

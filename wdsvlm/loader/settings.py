@@ -88,8 +88,10 @@ class LoaderSettings:
     """Your own step before tokenization: ``map(sample, rng)`` gets the stored record (its
     ``messages``, ``source``, ...) with ``__key__``, ``__shard__``, ``__images__`` (the image
     bytes) and ``__meta__`` (the index entry), and returns it, its text changed or not, or
-    None to drop it (counted as ``filtered``). A picklable function; ``rng`` is seeded from
-    (seed, pass, place). Not checked on resume: resume with the same function."""
+    None to drop it (counted as ``filtered``). With workers that start by ``spawn`` or the
+    fork server, a function they can import (defined in a module, not a lambda nor in a
+    notebook: refused when the Loader is built); ``rng`` is seeded from (seed, pass, place).
+    Not checked on resume: resume with the same function."""
     image_map: Any = field(default=None, hash=False, compare=False)
     """Your own step on each decoded image: ``image_map(pixels, rng)`` gets uint8
     ``[height, width, 3]`` (RGB, as displayed, before resizing) and returns the same shape."""

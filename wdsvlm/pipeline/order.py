@@ -26,7 +26,9 @@ SPAN_BYTES = 2**20
 with one ranged read (8 MiB before 2026-12-01). Small, for mixing (see ``plan.py``)."""
 
 
-def _rng(*parts: Any) -> np.random.Generator:
+def seeded_rng(*parts: Any) -> np.random.Generator:
+    """A generator seeded from ``parts`` (the loader's seed, a pass, a place, ...: any
+    integers, negative ones too, and strings), hashed: the one way a seed becomes draws."""
     digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
     return np.random.default_rng(int.from_bytes(digest[:16], "little"))
 
@@ -106,7 +108,7 @@ class PassOrder:
 
     def __init__(self, sources: Sequence[DataSource], seed: int, pass_: int, span_bytes: int):
         columns = _unshuffled_visits(sources, seed, pass_, span_bytes)
-        order = _rng("wdsvlm-pass", seed, pass_).permutation(len(columns[0]))
+        order = seeded_rng("wdsvlm-pass", seed, pass_).permutation(len(columns[0]))
         for i in range(4):  # a column at a time, so that few copies are held at once
             columns[i] = columns[i][order]
         del order
@@ -125,7 +127,7 @@ class PassOrder:
         entries = self._visits.get(v)
         if entries is None:
             first, stop = int(self.first[v]), int(self.stop[v])
-            entries = first + _rng("wdsvlm-visit", self._seed, self._pass, v).permutation(
+            entries = first + seeded_rng("wdsvlm-visit", self._seed, self._pass, v).permutation(
                 stop - first
             )
             self._visits[v] = entries
@@ -183,7 +185,7 @@ def _extra_visits(source: DataSource, number: int, seed: int, pass_: int, shard,
     pass: the window ``[pass * extra, (pass + 1) * extra)`` (modulo the source's size) of the
     source's samples with its chunks in a seeded rotation order, fixed for the source."""
     n = source.size
-    rotation = _rng("wdsvlm-extra", seed, number, source.name).permutation(len(shard))
+    rotation = seeded_rng("wdsvlm-extra", seed, number, source.name).permutation(len(shard))
     shard, first, stop = shard[rotation], first[rotation], stop[rotation]
     ends = np.cumsum(stop - first)
     begins = ends - (stop - first)

@@ -79,7 +79,8 @@ class Tokenize:
     ``len(stage.tokenizer)``). Every sample also gets ``image_at``: where each image's tokens
     start.
     ``sample_map`` (``usermap.SampleMap``, the Loader's ``map=``) runs on each sample's
-    record first; what it drops is counted as ``filtered``, what it fails on as ``map_error``.
+    record first; what it drops is counted as ``filtered``, what it fails on (or returns
+    messages that cannot be tokenized for) as ``map_error``.
     Skips, counted: ``invalid_json``, ``image_count_mismatch``, ``template_error`` (the
     template refused the conversation), ``template_mismatch`` (an answer is not rendered
     verbatim, so its labels cannot be found). A template that does not compile is refused
@@ -213,17 +214,15 @@ class Tokenize:
     ) -> tuple[str, list[tuple[int, int]], list[int]] | None:
         try:
             record = json.loads(sample["json"])
-            if self.sample_map is not None:
-                record = self.sample_map(record, sample, stats)
-                if record is None:  # dropped or skipped, and counted
-                    return None
-            messages = record["messages"]
-            messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-            if not all(isinstance(m["content"], str) for m in messages):
-                raise TypeError("message content must be a string")
+            if self.sample_map is None:
+                messages = messages_of(record)
         except (KeyError, TypeError, ValueError) as e:
             stats.skip("tokenize", "invalid_json", sample, f"{type(e).__name__}: {e}")
             return None
+        if self.sample_map is not None:  # what it returns is its own: a failure is map_error
+            messages = self.sample_map(record, sample, stats, messages_of)
+            if messages is None:  # dropped or skipped, and counted
+                return None
         try:
             tiles = self.tiles_of(sample)
         except UnreadableImage as e:  # no index sizes, and an image header is unreadable
@@ -341,6 +340,15 @@ class TokenizeRun(StageRun):
 
     def state(self) -> TokenizeState:
         return TokenizeState(places_of(self.rest))
+
+
+def messages_of(record: dict) -> list[dict]:
+    """The record's ``messages`` as ``{"role", "content"}`` dicts; ``KeyError``, ``TypeError``
+    or ``ValueError`` where they are missing or not of that form, or a content is not text."""
+    messages = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+    if not all(isinstance(m["content"], str) for m in messages):
+        raise TypeError("message content must be a string")
+    return messages
 
 
 def _expand(
