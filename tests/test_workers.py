@@ -525,6 +525,17 @@ def test_an_error_before_the_first_batch_stops_the_workers(tmp_path):
     assert not workers, f"workers still running after the error: {workers}"
 
 
+def two_workers(context: str, batches_per_epoch: int):
+    return wdsvlm.Loader(
+        EXAMPLE,
+        TOKENIZER,
+        num_workers=2,
+        multiprocessing_context=context,
+        batches_per_epoch=batches_per_epoch,
+        **SMALL,
+    )
+
+
 def alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
     try:
@@ -542,14 +553,7 @@ def test_close_stops_the_workers_in_the_middle_of_an_epoch(context):
     epoch's iteration ends there."""
     import time
 
-    loader = wdsvlm.Loader(
-        EXAMPLE,
-        TOKENIZER,
-        num_workers=2,
-        multiprocessing_context=context,
-        batches_per_epoch=20,
-        **SMALL,
-    )
+    loader = two_workers(context, batches_per_epoch=20)
     workers, batches = started_workers(loader)
     next(batches)  # 3 of 20
     pids = [p.pid for p in workers]
@@ -576,14 +580,7 @@ def test_a_worker_killed_mid_epoch_is_an_error_within_seconds(context):
     import signal
     import time
 
-    loader = wdsvlm.Loader(
-        EXAMPLE,
-        TOKENIZER,
-        num_workers=2,
-        multiprocessing_context=context,
-        batches_per_epoch=200,
-        **SMALL,
-    )
+    loader = two_workers(context, batches_per_epoch=200)
     workers, batches = started_workers(loader)
     os.kill(workers[0].pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -591,6 +588,6 @@ def test_a_worker_killed_mid_epoch_is_an_error_within_seconds(context):
         for _ in batches:
             assert time.monotonic() - killed < 30, "no error 30 s after a worker was killed"
     took = time.monotonic() - killed
-    bound = 8.0 if context == "forkserver" else 2.0
+    bound = 12.0 if context == "forkserver" else 3.0
     assert took < bound, f"{context}: the error came {took:.1f} s after the worker died"
     loader.close()
