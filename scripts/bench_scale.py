@@ -125,12 +125,12 @@ def training_process(folder: str, dump: str) -> dict:
     return {"seconds": seconds, "peak_mb": peak_mb(), "batches": len(loader)}
 
 
-def worker_process(dump: str, role: int) -> dict:
+def worker_process(dump: str, slot: int) -> dict:
     start = time.perf_counter()
     with open(dump, "rb") as f:
         stream = pickle.load(f)
     plan = stream.plan
-    worker = plan.worker_config.global_worker(role)
+    worker = plan.worker_config.global_worker(slot)
     span = next(plan.spans(0, worker))
     return {
         "seconds": time.perf_counter() - start,

@@ -486,3 +486,29 @@ def run(rank):
 if __name__ == "__main__":
     mp.spawn(run, nprocs=2)
 """
+
+
+@pytest.mark.parametrize("workers,persistent", [(0, False), (2, True)])
+def test_an_abandoned_iteration_collected_later_leaves_the_running_one_alone(workers, persistent):
+    """An iteration given up after one batch and collected while a later one runs: its
+    clean-up stops nothing of the later one's (its stream, its workers: with
+    ``persistent_workers`` the same processes)."""
+    settings = dict(
+        SMALL,
+        max_length=512,
+        batch_size=2,
+        batches_per_epoch=6,
+        num_workers=workers,
+        persistent_workers=persistent,
+    )
+    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, **settings)
+    abandoned = iter(loader)
+    next(abandoned)
+    loader.set_epoch(1)
+    later = iter(loader)
+    got = [next(later)]
+    del abandoned  # collected now: its GeneratorExit runs its clean-up
+    got += list(later)
+    alone = wdsvlm.Loader(EXAMPLE, TOKENIZER, **settings)
+    alone.set_epoch(1)
+    assert [b["sample_keys"] for b in got] == [b["sample_keys"] for b in alone]

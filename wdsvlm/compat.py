@@ -89,7 +89,8 @@ def forkserver_preload() -> list[str]:
     from multiprocessing import forkserver
 
     check_forkserver()
-    return list(forkserver._forkserver._preload_modules or ["__main__"])
+    preload = forkserver._forkserver._preload_modules
+    return list(preload if preload is not None else ["__main__"])
 
 
 def close_forkserver_alive_fd() -> None:
@@ -285,3 +286,13 @@ def _weight_reverter() -> Callable:
 def revert_weight_conversion(model: Any, state_dict: dict) -> dict:
     """``state_dict`` (the model's own) under the names ``model.save_pretrained`` writes."""
     return _weight_reverter()(model, state_dict)
+
+
+def model_from_config(model_class: type, config: Any, **options: Any) -> Any:
+    """A model of ``model_class`` with random weights from ``config``, built with ``options``
+    (``attn_implementation``, ``dtype``) as ``from_pretrained`` would build it
+    (``wdsvlm.testing``'s tiny models)."""
+    build = _transformers(
+        f"{model_class.__name__}._from_config", getattr(model_class, "_from_config", None)
+    )
+    return build(config, **options)

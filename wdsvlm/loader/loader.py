@@ -90,6 +90,8 @@ class Loader:
         self._dataloader = None
         self._ray: Iterator[dict] | None = None  # the running Ray workers' batches
         self._running: weakref.ref | None = None  # the epoch's generator being iterated
+        self._iteration: object | None = None  # its token: an older one's clean-up is not its
+        self._batches: Iterator[dict] | None = None  # its workers' batches
         self._restored = False  # the position came from load_state_dict, not from iterating
         if self.dataloader_options["persistent_workers"]:
             self.plan.share_epoch()
@@ -187,6 +189,7 @@ class Loader:
                     self._epoch,
                     self._epoch + 1,
                 )
+                self._restored = False  # asking for it again is refused, as for any whole one
                 return
             self._next_epoch()
         self._pinned = False
@@ -200,6 +203,8 @@ class Loader:
         whole = self._done == 0
         self._reusable = False
         batches = self._ray_batches(total) if self._on_ray else self._local_batches()
+        iteration = self._iteration = object()
+        self._batches = batches
         try:
             for batch in batches:
                 state = batch.pop(STATE_KEY)
@@ -210,13 +215,13 @@ class Loader:
                 self._yielded.count(batch)
                 yield batch
         except GeneratorExit:  # iteration stopped early (or close()): the workers stop now
-            self._stop_workers(batches)
+            self._stop_workers(batches, iteration)
             raise
         except Exception as e:
             # Stop the workers now: the error's traceback holds the DataLoader's iterator, and
             # freed later by the cycle collector, its queues can go first, its workers are
             # never told to stop, and each is waited for 5 s. New workers for what follows.
-            self._stop_workers(batches)
+            self._stop_workers(batches, iteration)
             if (
                 isinstance(e, (ConnectionError, EOFError))
                 and self.dataloader_options["num_workers"]
@@ -232,11 +237,16 @@ class Loader:
             raise WdsvlmError(f"epoch {self._epoch} ended after {self._done} of {total} batches")
         # each worker's stream stands at its end, and plays the slot it will play next epoch
         self._reusable = whole and not self._on_ray
+        self._batches = self._iteration = None
 
-    def _stop_workers(self, batches: Iterator[dict]) -> None:
-        """Stop this epoch's workers now (and their read-ahead threads): the DataLoader's
-        processes and the shared memory of the batches they hold, or the Ray actors; an
-        iteration after this starts new ones."""
+    def _stop_workers(self, batches: Iterator[dict] | None, iteration: object) -> None:
+        """Stop the workers of ``iteration`` now (and their read-ahead threads): the
+        DataLoader's processes and the shared memory of the batches they hold, or the Ray
+        actors; an iteration after this starts new ones. Not those of a later iteration: an
+        older one's generator may be collected, and end, while a later one runs."""
+        if iteration is not self._iteration:
+            return
+        self._batches = self._iteration = None
         compat.shutdown_workers(batches)
         self._stop_ray()
         self._dataloader = None
@@ -309,8 +319,8 @@ class Loader:
         if running is not None:
             try:
                 running.close()  # its GeneratorExit stops the workers
-            except ValueError:  # close() from within the iteration itself
-                pass
+            except ValueError:  # it runs now (close() from a signal handler, another thread)
+                self._stop_workers(self._batches, self._iteration)
         self.stream.forget()
         self._reusable = False
         self._dataloader = None

@@ -10,7 +10,7 @@ over, never dropped. So across all ranks and workers every sample comes once per
 Three numbers name a worker, each with its own name here:
 
 - ``global_worker``: the unit the plan splits a pass over, ``rank * num_workers + slot``
-  (``placement.WorkerConfig``); it decides which samples a stream reads.
+  (``pipeline.plan.WorkerConfig``); it decides which samples a stream reads.
 - ``slot``: which of the rank's ``num_workers`` streams, ``0 <= slot < num_workers``; batch
   ``i`` of an epoch comes from slot ``i % num_workers``, and ``WorkerState`` is kept per slot.
 - ``worker_id``: the DataLoader worker process (torch's ``get_worker_info().id``) that plays a

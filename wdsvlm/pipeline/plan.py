@@ -3,7 +3,8 @@
 Everything follows from explicit inputs. ``(sources, seed, pass)`` decide the pass's global
 order (``PassOrder``): which samples the pass holds (every source's share, see
 ``sources.py``) and in which order (``order.py``), the same on every topology. The worker's place
-``rank * num_workers + worker_id`` among ``world_size * num_workers`` global workers decides
+``rank * num_workers + slot`` (``slot``: which of the rank's workers, the DataLoader worker's id
+in a plain pipeline) among ``world_size * num_workers`` global workers decides
 its share: a contiguous block of that order, read in order. The split is by samples, so any
 shard count works with any worker count, and a sample's place ``[pass, place]`` means the same
 sample on any topology: that is what lets a checkpoint resume on another one.
@@ -20,7 +21,6 @@ that under 1% for samples of 60 KB and more with the default buffer (docs/perfor
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from collections import OrderedDict
@@ -78,8 +78,9 @@ class WorkerConfig:
     def global_workers(self) -> int:
         return self.world_size * self.workers_per_rank
 
-    def global_worker(self, worker_id: int) -> int:
-        return self.rank * self.workers_per_rank + worker_id
+    def global_worker(self, slot: int) -> int:
+        """The global worker of the rank's ``slot``-th worker."""
+        return self.rank * self.workers_per_rank + slot
 
 
 def current_worker_id(config: WorkerConfig) -> int:
@@ -186,13 +187,6 @@ class Plan(IterableDataset):
 
             value = mp.Value("q", self._epoch, lock=False)
             self._epoch = value
-
-    def detached(self) -> Plan:
-        """A copy whose epoch is a plain number of its own (a shared one pickles only into a
-        process being started), for a copy of the pipeline that this process plays itself."""
-        other = copy.copy(self)
-        other._epoch = self.epoch
-        return other
 
     @property
     def num_samples(self) -> int:

@@ -136,8 +136,10 @@ class ShardCache:
             if not data:
                 break
             digest.update(data)
-            os.pwrite(fd, data, at)
-            at += len(data)
+            view = memoryview(data)
+            while view:  # a write may be short (a nearly full disk): no hole left behind
+                written = os.pwrite(fd, view, at)
+                view, at = view[written:], at + written
         if at != size or digest.hexdigest() != sha256:
             raise StorageError(
                 f"{url}: {at} bytes, sha256 {digest.hexdigest()[:12]}...; the index says "
@@ -150,10 +152,12 @@ class ShardCache:
         """The folder's lock, held while room is made and reserved, and while a fetched shard
         is renamed into place (so that a scan counts its bytes under one name or the other)."""
         fd = os.open(os.path.join(self.folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        _HELD.add(fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
+            _HELD.discard(fd)
             os.close(fd)
 
     def _evict(self, incoming: int) -> bool:
@@ -167,6 +171,9 @@ class ShardCache:
                     _unlink(entry.path)
                     os.close(stale)
                     continue
+            elif entry.name.startswith(".fetch-") and entry.name.endswith(".tmp"):
+                _remove_if_stale(entry)  # an older release's partial fetch
+                continue
             elif not entry.name.endswith(".tar"):
                 continue
             try:
@@ -193,6 +200,35 @@ class ShardCache:
 
 
 _POLL = 0.02  # seconds between looks at a lock another process holds
+_STALE = 3600  # seconds without a write: an older release's partial fetch whose process is gone
+
+# The folder locks this process holds now. A child forked meanwhile (a thread of this process
+# holds one for a moment) closes its copies at once: held by a child for its whole life, the
+# folder's lock would stop every process sharing the cache.
+_HELD: set[int] = set()
+
+
+def _close_held_in_child() -> None:
+    for fd in list(_HELD):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_held_in_child)
+
+
+def _remove_if_stale(entry: os.DirEntry) -> None:
+    try:
+        if time.time() - entry.stat().st_mtime > _STALE:
+            _unlink(entry.path)
+    except FileNotFoundError:
+        pass
+
+
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 
 

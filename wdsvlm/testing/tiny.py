@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, ProcessorMixin
 
+from .. import compat
 from .llava_onevision import onevision_model_config, onevision_processor
 from .qwen import qwen_model_config, qwen_processor
 from .smolvlm import smol_model_config, smol_processor
@@ -64,4 +65,6 @@ def tiny_model(
         model_config = qwen_model_config if family.startswith("qwen") else smol_model_config
         config, model_cls = model_config(family, processor)
     torch.manual_seed(seed)
-    return model_cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return compat.model_from_config(
+        model_cls, config, attn_implementation="sdpa", dtype=torch.float32
+    )
