@@ -164,8 +164,18 @@ def shutdown_workers(batches: Any) -> None:
     """Stop a DataLoader iterator's worker processes now and free what they hold (torch does
     this when the iterator is collected, which may be much later)."""
     shutdown = getattr(batches, "_shutdown_workers", None)
-    if shutdown is not None:  # an iterator without workers has none
+    if shutdown is None:  # an iterator without workers has none
+        return
+    try:
         shutdown()
+    except RuntimeError:
+        # A worker that dies while it stops (one busy mid-batch may abort at exit) trips
+        # torch's SIGCHLD handler inside the shutdown, cutting it short: they were told to
+        # stop, so stop the rest here and say nothing.
+        for worker in getattr(batches, "_workers", ()):
+            if worker.is_alive():
+                worker.terminate()
+            worker.join(timeout=5)
 
 
 # ---- transformers: the Trainer's private methods, the attention and weight-name registries --
