@@ -81,12 +81,28 @@ def settled(objects: int, limit: float = 10) -> tuple[int, int]:
     return usage
 
 
+def actor_processes() -> list[int]:
+    """The pids of the processes that hold an actor of the loader's Ray workers now."""
+    return [pid for pid, title in command_lines().items() if title.startswith(ACTOR_TITLE)]
+
+
+def no_actors_left(limit: float = 30) -> bool:
+    """Whether every actor process of the loaders before has exited within ``limit``
+    seconds (a killed actor's process outlives ``close()`` a little)."""
+    deadline = time.monotonic() + limit
+    while actor_processes():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def kill_an_actor() -> int:
     """SIGKILL one running actor of the loader's Ray workers, the newest (not one of an
     epoch before, being stopped); its pid."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        actors = [pid for pid, title in command_lines().items() if title.startswith(ACTOR_TITLE)]
+        actors = actor_processes()
         if actors:
             os.kill(max(actors), signal.SIGKILL)
             return max(actors)
@@ -307,20 +323,23 @@ def edges(work: str) -> dict:
         found["start-error"].append(lines.lines[:])
         lines.lines.clear()
         # an actor killed mid-epoch: the epoch's stats equal an undisturbed run's
-        drops = {**SETTINGS, "max_tiles_per_pack": 3, "max_length": 96}  # many drops
+        drops = {**SETTINGS, "max_tiles_per_pack": 3, "max_length": 96, "batch_size": 1}
         killed = []
 
-        def stats(each=None) -> dict:
+        def stats(each=None) -> tuple[dict, int]:
+            # the actors of the loaders before are gone: the one killed is of this loader
+            found.setdefault("stats-alone", []).append(no_actors_left())
             loader = wdsvlm.Loader(data, TOKENIZER, workers=wdsvlm.RayWorkers(), **drops, **options)
+            step = 0
             for step, _ in enumerate(loader, 1):
                 if each is not None:
                     each(step)
             figures = loader.stats()
             loader.close()
-            return figures
+            return figures, step
 
-        found["stats-undisturbed"] = stats()
-        found["stats-killed"] = stats(lambda step: step == 2 and killed.append(kill_an_actor()))
+        found["stats-undisturbed"], found["stats-batches"] = stats()
+        found["stats-killed"] = stats(lambda step: step == 2 and killed.append(kill_an_actor()))[0]
         found["stats-restarts"] = [line for line in lines.lines if "restarting" in line]
     return found
 
