@@ -292,6 +292,8 @@ def test_the_floors_of_torch_transformers_and_webdataset_are_the_versions_tested
     pins["torch"] = re.search(r"^TORCH \?= torch==(\S+)", makefile, re.M)[1]
     for name in ("torch", "transformers", "webdataset"):
         assert Version(floors[name]) == Version(pins[name]), (name, floors[name], pins[name])
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert f"asks for `torch>={floors['torch']}`" in readme  # what a user choosing a build reads
 
     from wdsvlm import compat
 
