@@ -1,21 +1,25 @@
 # make demo: set up .venv and run the main job on shards_example/
+# make demo-video: write a small video dataset, inspect it and train a tiny Qwen2.5-VL on it
 # make test: set up .venv and run the linter and the test suite
 # make test-fast: the same without the tests that start real processes (about 80 s)
 # make docs: build the documentation site (MkDocs Material) into site/; any warning fails it
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of PyTorch on this project's machines; on others, e.g. `make TORCH=torch test`.
-TORCH ?= torch==2.13.0
+# PyTorch as `pip install torch torchvision` gives it from PyPI (the default build, which runs
+# on CPU too): torchvision-backed processors and the real video processors are what users get.
+# `===` keeps pip from taking the CPU-only build (2.13.0+cpu) some machines offer; another build:
+# e.g. `make TORCH="torch torchvision" test`.
+TORCH ?= torch===2.13.0 torchvision===0.28.0
 STAMP := $(VENV)/.wdsvlm-installed
 
-.PHONY: install demo test test-fast lint docs example clean
+.PHONY: install demo demo-video test test-fast lint docs example clean
 
 # constraints.txt: the versions the tests last passed with (pip backtracks for minutes without)
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
@@ -33,6 +37,9 @@ demo: install
 		--tokenizer shards_example/tokenizer --batch-size 8 $(DEMO_SETTINGS) --out $(DEMO_OUT)/stats
 	@echo "the pictures: $(DEMO_OUT)/stats/batches.png (naive batches beside packed rows)," \
 		"tokens.png and tiles.png; the checkpoints: $(DEMO_OUT)/train/"
+
+demo-video: install
+	HF_HUB_OFFLINE=1 $(PY) scripts/demo_video.py --out $(DEMO_OUT)/video
 
 lint: install
 	$(VENV)/bin/ruff check wdsvlm tests scripts

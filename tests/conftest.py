@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -297,3 +298,30 @@ def gcs_bucket(gcs_server):
     bucket = f"bucket-{time.monotonic_ns()}"
     fs.mkdir(bucket)
     return f"gs://{bucket}", options
+
+
+@pytest.fixture(autouse=True)
+def _free_video_containers(request):
+    """PyAV containers (transformers' load_video's, the test videos' writers) refer to their
+    streams and back, so the garbage collector frees them, with FFmpeg's threads; a DataLoader
+    worker forked before then (``multiprocessing_context="fork"``) would hang freeing them in
+    the child. Free them after each test that makes or reads videos."""
+    yield
+    if "video" in request.module.__name__ or "videos" in request.fixturenames:
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    """Each test video of ``wdsvlm.testing.videos.SPECS`` by name: its spec, its bytes and a
+    file of them (transformers' load_video reads files)."""
+    from wdsvlm.testing.videos import SPECS, make_video
+
+    folder = tmp_path_factory.mktemp("videos")
+    out = {}
+    for spec in SPECS:
+        data = make_video(spec)
+        path = folder / f"{spec.name}.mp4"
+        path.write_bytes(data)
+        out[spec.name] = (spec, data, str(path))
+    return out

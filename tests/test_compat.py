@@ -94,3 +94,22 @@ def test_the_names_give_what_wdsvlm_hf_reads_of_them():
     assert {"sdpa", "flash_attention_2"} <= compat.mask_attention_implementations()
     config = transformers.AutoConfig.for_model("llama", attn_implementation="sdpa")
     assert compat.attention_implementation(config) == "sdpa"
+
+
+def test_the_torchvision_resize_is_the_processors_own_and_refuses_a_pil_processor():
+    import torch
+
+    from wdsvlm.testing.tiny import tiny_processor
+
+    processor = tiny_processor("qwen2_vl", backend="torchvision").image_processor
+    pixels = torch.arange(3 * 20 * 30, dtype=torch.int64).reshape(3, 20, 30).remainder(256)
+    pixels = pixels.to(torch.uint8)
+    got = compat.torchvision_resize(processor, pixels, 14, 28)
+    assert got.shape == (3, 14, 28) and got.dtype == torch.uint8
+    from transformers.image_processing_backends import TorchvisionBackend
+    from transformers.image_utils import SizeDict
+
+    size = SizeDict(height=14, width=28)
+    assert torch.equal(got, TorchvisionBackend.resize(processor, pixels, size, processor.resample))
+    with pytest.raises(TypeError, match="not a torchvision-backed processor"):
+        compat.torchvision_resize(tiny_processor("qwen2_vl").image_processor, pixels, 14, 28)

@@ -83,9 +83,10 @@ def _spans(batch):
             yield r, start, stop, key
 
 
+@pytest.mark.parametrize("backend", ["pil", "torchvision"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_batch_holds_what_the_processor_makes_of_each_sample(family, samples):
-    processor = tiny_processor(family)
+def test_packed_batch_holds_what_the_processor_makes_of_each_sample(family, backend, samples):
+    processor = tiny_processor(family, backend)
     (batch,) = _batches(processor, 1)
     inputs = wdsvlm.model_inputs(batch)
     assert "attention_mask" not in inputs and inputs["use_cache"] is False
@@ -139,9 +140,10 @@ def reference_pixels(family: str, ref) -> torch.Tensor:
     return ref["pixel_values"][0]  # [tiles, 3, S, S]: one sample, no padding images
 
 
+@pytest.mark.parametrize("backend", ["pil", "torchvision"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_logits_equal_each_sample_alone(family, samples):
-    processor = tiny_processor(family)
+def test_packed_logits_equal_each_sample_alone(family, backend, samples):
+    processor = tiny_processor(family, backend)
     model = tiny_model(family, processor).eval()
     (batch,) = _batches(processor, 1)
     with torch.no_grad():

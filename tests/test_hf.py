@@ -186,6 +186,31 @@ def test_an_attention_that_cannot_keep_packed_samples_apart_is_refused(qwen, tmp
         wdsvlm.hf.Trainer(model=model, args=arguments(tmp_path), loader=loader)
 
 
+def test_a_qwen2_5_vl_whose_video_timing_is_not_the_published_one_is_refused(
+    qwen, videos, tmp_path
+):
+    """The Loader steps a video's temporal positions 2 per second, as Qwen2.5-VL is published;
+    on data with videos, a model configured otherwise (its config class defaults to 4) would
+    get wrong positions. Data without videos has no such positions: any value does."""
+    from .conftest import write_jsonl
+
+    processor, loader = qwen
+    model = tiny_model("qwen2_5_vl", processor)
+    model.config.vision_config.tokens_per_second = 4
+    wdsvlm.hf.Trainer(model=model, args=arguments(tmp_path), loader=loader)  # images only
+    (tmp_path / "a.mp4").write_bytes(videos["fps25"][1])
+    convo = [{"from": "human", "value": "<video>\nQ?"}, {"from": "gpt", "value": "A."}]
+    records = [{"id": "v", "video": "a.mp4", "conversations": convo}]
+    out = str(tmp_path / "data")
+    wdsvlm.write_dataset(write_jsonl(str(tmp_path / "in.jsonl"), records), out, progress=False)
+    with_videos = wdsvlm.Loader(out, processor=processor, max_length=1024, batch_size=1)
+    with pytest.raises(ValueError, match="vision_config.tokens_per_second is 4.*step 2 per"):
+        wdsvlm.hf.Trainer(model=model, args=arguments(tmp_path), loader=with_videos)
+    model.config.vision_config.tokens_per_second = 2  # as published
+    wdsvlm.hf.Trainer(model=model, args=arguments(tmp_path), loader=with_videos)
+    with_videos.close()
+
+
 def test_a_checkpoint_restores_the_weights_under_their_current_names(qwen, tmp_path):
     """transformers saves Qwen2.5-VL's text weights under their old names and its Trainer
     loads them back unconverted, leaving them as they were: wdsvlm.hf maps them back."""

@@ -141,7 +141,7 @@ def test_oversized_samples_are_dropped_and_reported():
     assert many_tiles and long
     assert sorted(keys_of(batches, of_pass=0)) == sorted(set(example_keys()) - dropped)
     stats = loader.stats()
-    assert stats["dropped"]["too_many_tokens"] > 0 and stats["dropped"]["too_many_tiles"] > 0
+    assert stats["dropped"]["too_many_tokens"] > 0 and stats["dropped"]["too_many_vision_units"] > 0
     assert batches[0]["input_ids"].shape == (4, 256)
     assert all(torch.all(b["attention_mask"].sum(dim=1) <= 256) for b in batches)
 
@@ -165,7 +165,7 @@ def test_max_tiles_per_batch_bounds_every_batch_and_the_load_is_reported():
     batches = two_epochs(loader)
     assert all(int(b["image_tiles"].sum()) <= 24 for b in batches)
     stats = loader.stats()
-    assert len(set(keys_of(batches, of_pass=0))) + stats["dropped"]["too_many_tiles"] >= 320
+    assert len(set(keys_of(batches, of_pass=0))) + stats["dropped"]["too_many_vision_units"] >= 320
     assert 0 < stats["tiles_per_batch_cv"] < 1
     with pytest.raises(ValueError, match="max_tiles_per_batch"):
         wdsvlm.Loader(EXAMPLE, TOKENIZER, batch_size=4, max_tiles_per_batch=3)

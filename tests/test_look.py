@@ -160,7 +160,7 @@ def test_stats_counts_drops_and_padding(tmp_path, naive_lengths):
     assert 0 < len(fitting) < len(lengths)  # the cut matters at this length
     assert found["dropped"] == {
         "too_many_tokens": len(lengths) - len(fitting),
-        "too_many_tiles": 0,
+        "too_many_vision_units": 0,
     }
     assert found["padding"]["fixed"] == pytest.approx(
         1 - sum(fitting) / (len(fitting) * max_length)

@@ -92,10 +92,10 @@ def test_pack_stage_counts_oversized_samples_as_dropped_by_key():
     assert [[s["__key__"] for s in p] for p in packs] == [["ok", "ok2"]]
     figures = run.stats.as_dict()
     assert run.stats.fill == 1.0
-    assert figures["dropped"] == {"too_many_tokens": 1, "too_many_tiles": 1}
+    assert figures["dropped"] == {"too_many_tokens": 1, "too_many_vision_units": 1}
     assert figures["dropped_examples"] == {
         "too_many_tokens": ["s/long"],
-        "too_many_tiles": ["s/wide"],
+        "too_many_vision_units": ["s/wide"],
     }
 
 

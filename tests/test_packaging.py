@@ -289,7 +289,7 @@ def test_the_floors_of_torch_transformers_and_webdataset_are_the_versions_tested
         if "==" in line and not line.startswith("#")
     )
     makefile = open(os.path.join(REPO, "Makefile")).read()
-    pins["torch"] = re.search(r"^TORCH \?= torch==(\S+)", makefile, re.M)[1]
+    pins["torch"] = re.search(r"^TORCH \?= torch===(\S+)", makefile, re.M)[1]
     for name in ("torch", "transformers", "webdataset"):
         assert Version(floors[name]) == Version(pins[name]), (name, floors[name], pins[name])
     readme = open(os.path.join(REPO, "README.md")).read()

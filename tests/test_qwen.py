@@ -88,5 +88,5 @@ def test_mrope_positions_count_text_on_and_go_on_after_each_image_grid():
     assert pos[:, 8].tolist() == [5, 5, 5]  # 2 + max(2, 3)
     assert pos[:, 9].tolist() == [6, 6, 6]
     assert pos[:, 10:].tolist() == [[7, 8]] * 3
-    with pytest.raises(ValueError, match="runs of image tokens"):
+    with pytest.raises(ValueError, match="runs of vision tokens"):
         mrope_positions(ids, [(1, 4, 6)], image_token_id=9, merge=2)

@@ -166,15 +166,19 @@ def test_seed_decides_the_weights():
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
-def test_processor_pickles_and_refuses_videos():
+def test_processor_pickles_and_has_its_families_real_video_processor():
+    from transformers import BaseVideoProcessor
+
     processor = pickle.loads(pickle.dumps(tiny_processor("qwen2_5_vl")))
     out = processor(text=["<|image_pad|>"], images=[[picture()]])
     assert image_tokens(processor, out) > 0
-    with pytest.raises(NotImplementedError, match="images only"):
-        processor(
-            text=["<|vision_start|><|video_pad|><|vision_end|>"],
-            videos=[np.zeros((4, 56, 56, 3), dtype=np.uint8)],
-        )
+    assert isinstance(processor.video_processor, BaseVideoProcessor)
+    out = processor(
+        text=["<|vision_start|><|video_pad|><|vision_end|>"],
+        videos=[np.zeros((4, 56, 56, 3), dtype=np.uint8)],
+        do_sample_frames=False,
+    )
+    assert out["video_grid_thw"].tolist() == [[2, 4, 4]]
 
 
 def test_unknown_family_and_missing_tokenizer(monkeypatch, tmp_path):

@@ -206,6 +206,35 @@ def _module(name: str) -> Any:
         return None
 
 
+def torchvision_resize(processor: Any, pixels: Any, height: int, width: int) -> Any:
+    """``pixels`` (uint8 ``[..., 3, H, W]``) resized to ``height x width`` by the resize of a
+    torchvision-backed image or video processor's backend class (transformers'
+    ``TorchvisionBackend``, which the model classes wrap with their own sizing), with the
+    processor's ``resample``: the processor's pixels, bit for bit."""
+    from transformers.image_utils import SizeDict
+
+    backends = _module("transformers.image_processing_backends")
+    backend = _transformers(
+        "transformers.image_processing_backends.TorchvisionBackend",
+        getattr(backends, "TorchvisionBackend", None),
+    )
+    if not isinstance(processor, backend):
+        raise TypeError(f"{type(processor).__name__} is not a torchvision-backed processor")
+    size = SizeDict(height=height, width=width)
+    return backend.resize(processor, pixels, size, resample=processor.resample)
+
+
+def smolvlm_video_template() -> str:
+    """The chat template SmolVLM's processor renders a conversation with a video by when no
+    template is asked for (``apply_chat_template`` switches to it; the published templates
+    have no video)."""
+    module = _module("transformers.models.smolvlm.processing_smolvlm")
+    found = getattr(module, "DEFAULT_CHAT_TEMPLATE", None)
+    return _transformers(
+        "transformers.models.smolvlm.processing_smolvlm.DEFAULT_CHAT_TEMPLATE", found
+    )
+
+
 def trainer_internals() -> None:
     """Check every private name of transformers that wdsvlm.hf uses; an
     ``UnsupportedVersionError`` names the first one missing."""

@@ -12,29 +12,32 @@ defaults. The conversation is rendered with the processor's chat template as con
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
 
-from ..format.conversation import IMAGE_MARKER
+from ..format.conversation import IMAGE_MARKER, VIDEO_MARKER
 from ..format.images import open_image
 from .base import Edit, decode_each
 
+_MARKERS = re.compile(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})")
 # Image sizes whose costs and token ids stand for a processor's settings in a fingerprint.
 _PROBE_SIZES = [(1, 1), (64, 48), (640, 480), (300, 1700), (1600, 900)]
 
 
 def content_items(text: str) -> list[dict]:
-    """A stored message's content as a content list: each ``<image>`` marker an image item at
-    its place, the text around it text items; a newline right after a marker is dropped
-    (the marker stood on a line of its own). Empty content is one empty text item."""
+    """A stored message's content as a content list: each ``<image>`` or ``<video>`` marker an
+    image or video item at its place, the text around it text items; a newline right after a
+    marker is dropped (the marker stood on a line of its own). Empty content is one empty
+    text item."""
     items: list[dict] = []
-    parts = text.split(IMAGE_MARKER)
-    for n, part in enumerate(parts):
-        if n > 0:
-            items.append({"type": "image"})
-            if part.startswith("\n"):
-                part = part[1:]
+    for n, part in enumerate(_MARKERS.split(text)):
+        if n % 2:
+            items.append({"type": "image" if part == IMAGE_MARKER else "video"})
+            continue
+        if n > 0 and part.startswith("\n"):
+            part = part[1:]
         if part:
             items.append({"type": "text", "text": part})
     return items or [{"type": "text", "text": ""}]  # an empty answer is still an answer
@@ -93,6 +96,9 @@ class ProcessorFamily:
 
     name: str
     unit_size: int
+    video: Any = None  # the family's video side (families.video.ProcessorVideo), if it takes video
+    video_device_fields: tuple[str, ...] = ()  # batch tensors video_model_fields hands on
+    no_video = "its processor takes no video in wdsvlm"  # why video is None
 
     def __init__(self, processor: Any):
         self.processor = processor
@@ -135,9 +141,13 @@ class ProcessorFamily:
 
     def constant_fields(self) -> dict:
         """The family's name, and the pixel table (and affine) ``model_inputs`` normalises
-        with."""
-        return {
+        with; the video processor's too, where the family takes videos."""
+        out = {
             "family": self.name,
             "pixel_table": pixel_table(self.image_processor),
             "pixel_affine": pixel_affine(self.image_processor),
         }
+        if self.video is not None:
+            out["video_table"] = pixel_table(self.video.vp)
+            out["video_affine"] = pixel_affine(self.video.vp)
+        return out

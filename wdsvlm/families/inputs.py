@@ -102,4 +102,18 @@ def model_inputs(
         if dtype is not None:
             fields["pixel_values"] = fields["pixel_values"].to(dtype)
         out.update(fields)
+    videos = batch.get("video_pixels")
+    if videos is not None and len(videos):
+        table, affine = batch["video_table"], batch.get("video_affine")
+
+        def normalised_videos(units, out=None):
+            return normalise(units, table, affine, out=out)
+
+        moved = {k: move(batch[k]) for k in cls.video_device_fields if k in batch}
+        # (a family whose model takes the frames with the images gets the images' fields)
+        fields = cls.video_model_fields({**batch, **moved}, move(videos), normalised_videos, out)
+        for key in ("pixel_values_videos", "pixel_values"):
+            if dtype is not None and key in fields:
+                fields[key] = fields[key].to(dtype)
+        out.update(fields)
     return out

@@ -1,7 +1,8 @@
 """LLaVA-OneVision: anyres crops, unpadded features with a newline per row, one view per image
 of several.
 
-The image processor (the PIL backend, ``LlavaOnevisionImageProcessorPil``) treats an image by
+The image processor (``LlavaOnevisionImageProcessorPil``, or the torchvision-backed
+``LlavaOnevisionImageProcessor``, whose own resize and padding are called) treats an image by
 whether it is its sample's only one:
 
 - **Alone** (anyres): the resolution of ``image_grid_pinpoints`` that keeps the most of the
@@ -31,9 +32,12 @@ from typing import Any
 
 import numpy as np
 
+from .. import compat
 from ..format.images import open_image
+from ..format.videos import VideoInfo
 from .base import Edit, decode_each
 from .hf_processor import ProcessorFamily
+from .video import NoVideoProcessor, ProcessorVideo
 
 
 class LlavaOnevisionFamily(ProcessorFamily):
@@ -48,12 +52,7 @@ class LlavaOnevisionFamily(ProcessorFamily):
         super().__init__(processor)
         ip = self.image_processor
         kind = type(ip).__name__
-        if getattr(ip, "backend", "pil") != "pil":
-            raise ValueError(
-                f"{kind} resizes with torchvision; wdsvlm replays the PIL backend's pixels: "
-                "give the processor a LlavaOnevisionImageProcessorPil (processor.image_processor "
-                "= LlavaOnevisionImageProcessorPil(**processor.image_processor.to_dict()))"
-            )
+        self.backend = getattr(ip, "backend", "pil")
         side, width = ip.size["height"], ip.size["width"]
         if not side or width != side:
             raise ValueError(f"{kind} has size {ip.size}: wdsvlm needs a square height and width")
@@ -78,6 +77,10 @@ class LlavaOnevisionFamily(ProcessorFamily):
             raise ValueError(f"vision_aspect_ratio {aspect!r}: wdsvlm knows anyres_max_N")
         self.max_views = int(aspect[len("anyres_max_") :])
         self.image_token_id = int(processor.image_token_id)
+        try:  # its videos, where its video processor takes them
+            self.video: LlavaOnevisionVideo | None = LlavaOnevisionVideo(processor)
+        except NoVideoProcessor as e:
+            self.video, self.no_video = None, str(e)
 
     def best_resolution(self, width: int, height: int) -> tuple[int, int]:
         """``(height, width)`` of the pinpoint an image alone is resized into."""
@@ -133,6 +136,9 @@ class LlavaOnevisionFamily(ProcessorFamily):
 
         s = self.unit_size
         width, height = image.size
+        if self.backend == "torchvision":
+            out.copy_(self._torchvision_units(image, alone))
+            return
         if not alone:
             side = max(width, height)
             square = Image.new("RGB", (side, side), self.background)
@@ -153,6 +159,38 @@ class LlavaOnevisionFamily(ProcessorFamily):
         crops = torch.from_numpy(canvas).view(rows, s, cols, s, 3).permute(0, 2, 4, 1, 3)
         out[1:].view(rows, cols, 3, s, s).copy_(crops)
         out[0] = torch.from_numpy(np.array(image.resize((s, s), self.resample))).permute(2, 0, 1)
+
+    def _torchvision_units(self, image: Any, alone: bool):
+        """The crops as the torchvision-backed processor makes them, with its own ``resize``
+        and padding: alone, the image resized into its pinpoint (aspect ratio kept), centred
+        on black and cut, after the whole image resized to ``S x S``; one of several, centred
+        on a square of the mean's colour. Every view is then resized to ``S x S`` once more,
+        as the processor resizes all of them together."""
+        import torch
+        from torchvision.transforms.v2 import functional as tvf
+
+        ip, s = self.image_processor, self.unit_size
+
+        def resize(pixels, height, width):
+            return compat.torchvision_resize(ip, pixels, height, width)
+
+        pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+        if not alone:
+            views = ip.pad_to_square(pixels, background_color=self.background)[None]
+        else:
+            width, height = image.size
+            best_h, best_w = self.best_resolution(width, height)
+            if width * best_h > height * best_w:  # the width fills the pinpoint
+                new_w, new_h = best_w, min(math.ceil(height * (best_w / width)), best_h)
+            else:
+                new_w, new_h = min(math.ceil(width * (best_h / height)), best_w), best_h
+            resized = resize(pixels, new_h, new_w)
+            left, top = (best_w - new_w) // 2, (best_h - new_h) // 2
+            padded = tvf.pad(resized, [left, top, best_w - new_w - left, best_h - new_h - top])
+            rows, cols = best_h // s, best_w // s
+            crops = padded.view(3, rows, s, cols, s).permute(1, 3, 0, 2, 4).reshape(-1, 3, s, s)
+            views = torch.cat([resize(pixels, s, s)[None], crops])
+        return resize(views, s, s)
 
     def batch_fields(self, rows: list[list[dict]], batch: dict) -> dict:
         """``image_sizes`` ``[images, 2]`` (height, width) and ``batch_num_images`` (images
@@ -175,3 +213,58 @@ class LlavaOnevisionFamily(ProcessorFamily):
             "image_sizes": batch["image_sizes"],
             "batch_num_images": batch["batch_num_images"],
         }
+
+    @staticmethod
+    def video_model_fields(batch: dict, videos: Any, normalised: Any, fields: Any = None) -> dict:
+        """``pixel_values_videos`` ``[videos, frames, 3, S, S]`` normalised: the model stacks
+        a batch's videos, so each must have the same number of frames."""
+        counts = batch["video_units"].tolist()
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"LLaVA-OneVision takes a batch's videos stacked, so each needs the same number "
+                f"of frames; this batch has {counts}: set the video processor's num_frames "
+                "(with do_sample_frames=True)"
+            )
+        frames = normalised(videos)
+        return {"pixel_values_videos": frames.reshape(len(counts), counts[0], *frames.shape[1:])}
+
+
+class LlavaOnevisionVideo(ProcessorVideo):
+    """A video as ``LlavaOnevisionVideoProcessor`` makes it: the frames it samples, each
+    resized to its ``size`` (no aspect kept, no crop) and one unit ``[3, S, S]``; the model
+    pools each frame's features 2x2 and adds one newline after the video, so its tokens are
+    ``frames x ceil(side / 2) ** 2 + 1`` (``side`` x ``side`` features a view)."""
+
+    def __init__(self, processor: Any):
+        super().__init__(processor)
+        vp = self.vp
+        kind = type(vp).__name__
+        height, width = vp.size.get("height"), vp.size.get("width")
+        if not height or not width or not vp.do_resize:
+            raise NoVideoProcessor(
+                f"{kind} has size {vp.size}: wdsvlm needs do_resize to a height and width"
+            )
+        if getattr(vp, "do_center_crop", None):
+            raise NoVideoProcessor(f"{kind} crops its frames: wdsvlm takes them resized whole")
+        if not self.samples or not getattr(vp, "num_frames", None):
+            raise NoVideoProcessor(
+                f"{kind} samples no fixed number of frames (do_sample_frames="
+                f"{self.samples}, num_frames={getattr(vp, 'num_frames', None)}): LLaVA-OneVision "
+                "stacks a batch's videos, so wdsvlm takes its videos only with num_frames set"
+            )
+        self.height, self.width = int(height), int(width)
+        self.unit_shape = (3, self.height, self.width)
+        side = int(math.sqrt(processor.num_image_tokens))
+        self.per_frame = math.ceil(side / 2) ** 2
+
+    def cost(self, info: VideoInfo) -> int:
+        """Frames sampled: a video's vision units."""
+        return len(self.frames(info))
+
+    def token_ids(self, info: VideoInfo) -> np.ndarray:
+        return np.full(self.cost(info) * self.per_frame + 1, self.video_token_id, dtype=np.int64)
+
+    def units(self, frames: np.ndarray, info: VideoInfo, out: Any) -> None:
+        """The sampled ``frames`` (``[n, H, W, 3]`` uint8) resized by the processor's own
+        resize into ``out`` ``[n, 3, S, S]`` uint8."""
+        out.copy_(self.resize(frames, self.height, self.width))

@@ -17,13 +17,16 @@ the text after it goes on from ``start + max(rows, columns)``.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
-from ..format.images import UnusableImage
+from .. import compat
+from ..format.videos import VideoInfo
 from .hf_processor import ProcessorFamily
+from .qwen_sizes import smart_resize
+from .qwen_video import QwenVideo
+from .video import NoVideoProcessor
 
 _NAMES = {
     "Qwen2VLProcessor": "qwen2_vl",
@@ -32,53 +35,46 @@ _NAMES = {
 }
 
 
-def smart_resize(
-    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
-) -> tuple[int, int]:
-    """``(height, width)`` the Qwen processors resize an image to: multiples of ``factor``,
-    an area within ``[min_pixels, max_pixels]``, the aspect ratio kept as closely as may be."""
-    if max(height, width) / min(height, width) > 200:
-        raise UnusableImage(
-            f"an image of {width}x{height} has an aspect ratio over 200, which the Qwen "
-            "processors refuse"
-        )
-    h = round(height / factor) * factor
-    w = round(width / factor) * factor
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h, w
-
-
 def mrope_positions(
-    input_ids: np.ndarray, grids: list[tuple[int, int, int]], image_token_id: int, merge: int
+    input_ids: np.ndarray,
+    grids: list[tuple[int, int, int]],
+    image_token_id: int,
+    merge: int,
+    videos: list[tuple[tuple[int, int, int], float]] = (),
+    video_token_id: int | None = None,
 ) -> np.ndarray:
     """``[3, n]`` rotary positions (temporal, height, width) of one sample alone, as the
-    model's ``get_rope_index`` gives them; ``grids``: each image's ``(t, h, w)`` in patches,
-    in the order of the image-token runs."""
-    is_image = np.asarray(input_ids) == image_token_id
-    edges = np.flatnonzero(np.diff(is_image.astype(np.int8), prepend=0, append=0))
-    runs = list(zip(edges[::2], edges[1::2], strict=True))
-    if len(runs) != len(grids):
-        raise ValueError(f"{len(runs)} runs of image tokens for {len(grids)} images")
-    out = np.empty((3, len(is_image)), dtype=np.int64)
+    model's ``get_rope_index`` gives them; ``grids``: each image's ``(t, h, w)`` in patches, in
+    the order of the image-token runs; ``videos``: each video-token run's ``(t, h, w)`` and
+    the step of its temporal position (Qwen2.5-VL: ``tokens_per_second`` x seconds per
+    temporal patch, in float32 as the model computes it; 1 otherwise)."""
+    ids = np.asarray(input_ids)
+    kinds = np.where(ids == image_token_id, 1, 0)
+    if video_token_id is not None:
+        kinds = np.where(ids == video_token_id, 2, kinds)
+    edges = np.flatnonzero(np.diff(kinds, prepend=0, append=0))
+    runs = [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True) if kinds[a]]
+    of_kind = {1: iter([(g, 1.0) for g in grids]), 2: iter(videos)}
+    if len(runs) != len(grids) + len(videos):
+        raise ValueError(
+            f"{len(runs)} runs of vision tokens for {len(grids)} images and {len(videos)} "
+            "video runs"
+        )
+    out = np.empty((3, len(ids)), dtype=np.int64)
     at = pos = 0
-    for (start, stop), (t, h, w) in zip(runs, grids, strict=True):
+    for start, stop in runs:
+        (t, h, w), step = next(of_kind[int(kinds[start])])
         out[:, at:start] = np.arange(start - at) + pos
         pos += start - at
         rows, cols = h // merge, w // merge
         if stop - start != t * rows * cols:
-            raise ValueError(f"an image run of {stop - start} tokens for a grid of {t}x{h}x{w}")
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(rows), np.arange(cols), indexing="ij")
+            raise ValueError(f"a vision run of {stop - start} tokens for a grid of {t}x{h}x{w}")
+        times = (np.arange(t, dtype=np.float32) * np.float32(step)).astype(np.int64)
+        tt, hh, ww = np.meshgrid(times, np.arange(rows), np.arange(cols), indexing="ij")
         out[:, start:stop] = np.stack([tt, hh, ww]).reshape(3, -1) + pos
         pos += max(rows, cols)
         at = stop
-    out[:, at:] = np.arange(len(is_image) - at) + pos
+    out[:, at:] = np.arange(len(ids) - at) + pos
     return out
 
 
@@ -88,6 +84,10 @@ class QwenFamily(ProcessorFamily):
     names = tuple(_NAMES.values())  # what batch["family"] says
     unit_name = "patches"  # what a vision unit is, in messages
     device_fields = ("image_grid_thw",)  # batch tensors model_fields hands to the model
+    video_device_fields = ("video_grid_thw", "second_per_grid_ts")  # those of the videos
+    # Qwen2.5-VL's vision_config.tokens_per_second as published (its config class defaults
+    # to 4): the step of a video's temporal positions per second
+    tokens_per_second = 2
 
     def __init__(self, processor: Any):
         super().__init__(processor)
@@ -110,6 +110,10 @@ class QwenFamily(ProcessorFamily):
         self.backend = getattr(ip, "backend", "pil")
         self.image_token_id = int(processor.image_token_id)
         self.unit_size = self.patch_size
+        try:  # its videos, where its video processor takes them
+            self.video: QwenVideo | None = QwenVideo(processor, self.name)
+        except NoVideoProcessor as e:
+            self.video, self.no_video = None, str(e)
 
     def resized(self, width: int, height: int) -> tuple[int, int]:
         """``(width, height)`` of the image as the processor resizes it."""
@@ -156,16 +160,9 @@ class QwenFamily(ProcessorFamily):
         """The processor's own torchvision resize (its class's base ``resize``, which the
         Qwen class wraps with ``smart_resize``)."""
         import torch
-        from transformers.image_utils import SizeDict
 
-        base = next(c for c in type(self.image_processor).__mro__ if c.__name__.endswith("Backend"))
         pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
-        return base.resize(
-            self.image_processor,
-            pixels,
-            SizeDict(height=height, width=width),
-            resample=self.resample,
-        )
+        return compat.torchvision_resize(self.image_processor, pixels, height, width)
 
     def batch_fields(self, rows: list[list[dict]], batch: dict) -> dict:
         """``image_grid_thw`` in image-token order, and ``position_ids`` ``[4, B, L]``: the
@@ -175,21 +172,54 @@ class QwenFamily(ProcessorFamily):
 
         positions = np.repeat(batch["position_ids"].numpy()[None], 4, axis=0)
         grids: list[tuple[int, int, int]] = []
+        video_grids: list[tuple[int, int, int]] = []
+        seconds: list[float] = []
         for r, row in enumerate(rows):
             at = 0
             for sample in row:
                 n = len(sample["input_ids"])
                 mine = [self.grid(w, h) for w, h in sample["__meta__"]["images"]]
+                runs = []
+                for meta in sample["__meta__"].get("videos", ()):
+                    info = VideoInfo.from_dict(meta)
+                    runs += self.video.runs(info, self.tokens_per_second)
+                    video_grids.append(self.video.grid(info))
+                    seconds.append(self.video.second_per_grid(info))
                 positions[1:, r, at : at + n] = mrope_positions(
-                    sample["input_ids"], mine, self.image_token_id, self.merge_size
+                    sample["input_ids"],
+                    mine,
+                    self.image_token_id,
+                    self.merge_size,
+                    videos=runs,
+                    video_token_id=None if self.video is None else self.video.video_token_id,
                 )
                 grids += mine
                 at += n
-        return {
+        out = {
             "image_grid_thw": torch.tensor(grids, dtype=torch.long).reshape(-1, 3),
             "temporal_patch_size": self.temporal_patch_size,
             "position_ids": torch.from_numpy(positions),
         }
+        if self.video is not None:
+            out["video_grid_thw"] = torch.tensor(video_grids, dtype=torch.long).reshape(-1, 3)
+            if self.name == "qwen2_5_vl":
+                out["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
+        return out
+
+    @staticmethod
+    def video_model_fields(batch: dict, videos: Any, normalised: Any, fields: Any = None) -> dict:
+        """``pixel_values_videos`` ``[patches, 3 * T * P * P]`` from the batch's uint8 video
+        units ``[patches, T, 3, P, P]`` (each frame's patch normalised), ``video_grid_thw``
+        and, for Qwen2.5-VL, ``second_per_grid_ts``."""
+        n, t, c, p, _ = videos.shape
+        flat = normalised(videos.reshape(n * t, c, p, p)).reshape(n, t, c, p, p)
+        out = {
+            "pixel_values_videos": flat.transpose(1, 2).reshape(n, c * t * p * p),
+            "video_grid_thw": batch["video_grid_thw"],
+        }
+        if "second_per_grid_ts" in batch:
+            out["second_per_grid_ts"] = batch["second_per_grid_ts"]
+        return out
 
     @staticmethod
     def model_fields(batch: dict, units: Any, normalised: Any) -> dict:

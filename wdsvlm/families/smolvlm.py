@@ -39,7 +39,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import compat
+from ..format.videos import VideoInfo
 from .hf_processor import ProcessorFamily
+from .video import NoVideoProcessor, ProcessorVideo, video_metadata
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +55,7 @@ class SmolVLMFamily(ProcessorFamily):
     names = ("smolvlm", "idefics3")  # what batch["family"] says
     unit_name = "tiles"  # what a vision unit is, in messages
     device_fields = ()  # batch tensors model_fields hands to the model
+    video_device_fields = ("vision_order",)  # those video_model_fields uses
 
     def __init__(self, processor: Any):
         from PIL import Image
@@ -74,6 +78,14 @@ class SmolVLMFamily(ProcessorFamily):
         self.torch_backend = getattr(ip, "backend", "pil") == "torchvision"
         self.resample = Image.Resampling(ip.resample if ip.resample is not None else Image.BILINEAR)
         self._ids: dict[tuple[int, int], np.ndarray] = {}
+        self.video_chat_template = None
+        try:  # its videos, where its video processor takes them
+            self.video: SmolVLMVideo | None = SmolVLMVideo(processor)
+            # what its apply_chat_template renders a conversation with a video by, when no
+            # template is asked for
+            self.video_chat_template = compat.smolvlm_video_template()
+        except (NoVideoProcessor, compat.UnsupportedVersionError) as e:  # images still work
+            self.video, self.no_video = None, str(e)
 
     # Geometry: the processor's expressions, in its order, so floats truncate the same way.
 
@@ -185,11 +197,112 @@ class SmolVLMFamily(ProcessorFamily):
         return x if self.torch_backend else torch.from_numpy(np.array(x)).permute(2, 0, 1)
 
     def batch_fields(self, rows: list[list[dict]], batch: dict) -> dict:
-        """Nothing: every tile is S x S, so there is no padding and no pixel_attention_mask."""
-        return {}
+        """Every tile is S x S, so there is no padding and no pixel_attention_mask. Where the
+        batch has videos, ``vision_order``: the rows of [tiles, frames] in the order of the
+        batch's image tokens (each sample's images and videos by where their tokens start)."""
+        import torch
+
+        if self.video is None or "video_units" not in batch:
+            return {}
+        samples = [s for row in rows for s in row]
+        tiles = sum(sum(s["image_tiles"]) for s in samples)
+        order: list[int] = []
+        image = frame = 0
+        for s in samples:
+            media = [
+                (at, "image", n) for at, n in zip(s["image_at"], s["image_tiles"], strict=True)
+            ]
+            units = s.get("video_units", ())
+            media += [(at, "video", n) for at, n in zip(s.get("video_at", ()), units, strict=True)]
+            for _, kind, n in sorted(media):
+                if kind == "image":
+                    order += range(image, image + n)
+                    image += n
+                else:
+                    order += range(tiles + frame, tiles + frame + n)
+                    frame += n
+        return {"vision_order": torch.tensor(order, dtype=torch.long)}
 
     @staticmethod
     def model_fields(batch: dict, units: torch.Tensor, normalised: Any) -> dict:
         """Forward kwargs: the batch's tiles, normalised (``normalised(units)``), as one
         [1, N, 3, S, S] image list (see module doc)."""
         return {"pixel_values": normalised(units)[None]} if units.shape[0] else {}
+
+    @staticmethod
+    def video_model_fields(
+        batch: dict, videos: torch.Tensor, normalised: Any, fields: dict
+    ) -> dict:
+        """The videos' frames are images to the model, in the text's order: ``pixel_values``
+        [1, N, 3, S, S] of the batch's tiles and frames, each sample's in the order of its
+        tokens (``vision_order``: the tiles' then the frames' rows, reordered)."""
+        import torch
+
+        parts = [fields["pixel_values"][0]] if fields and "pixel_values" in fields else []
+        both = torch.cat([*parts, normalised(videos).to(parts[0].dtype if parts else None)])
+        return {"pixel_values": both[batch["vision_order"]][None]}
+
+
+class SmolVLMVideo(ProcessorVideo):
+    """A video as ``SmolVLMVideoProcessor`` and its processor make it: the frames its
+    ``sample_frames`` takes, each resized as a single image (its longest edge to ``size``,
+    then to the tile's ``S x S``) and one unit; in the text, its processor's prompt (the frame
+    count in words, the duration, then per frame its time and a single image's tokens), put
+    in place of the video's marker before the text is tokenized, as the processor does. Its
+    frames travel with the images, in text order; a sample of images and videos is refused,
+    as the processor's own output drops the images' pixels then."""
+
+    in_text = True
+    with_images = False
+
+    def __init__(self, processor: Any):
+        super().__init__(processor, needs=("max_image_size",))
+        if not hasattr(processor, "replace_video_token"):
+            raise NoVideoProcessor(f"{type(processor).__name__} has no replace_video_token()")
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        side = int(self.vp.max_image_size["longest_edge"])
+        tile = int(processor.image_processor.max_image_size["longest_edge"])
+        if side != tile:
+            raise NoVideoProcessor(
+                f"its video processor's frames are {side} px, its image tiles {tile} px: the "
+                "model takes both as one stream of images, of one size"
+            )
+        self.unit_shape = (3, side, side)
+        self._ids: dict[VideoInfo, np.ndarray] = {}
+
+    def cost(self, info: VideoInfo) -> int:
+        """Frames sampled: a video's vision units."""
+        return len(self.frames(info))
+
+    def prompt(self, info: VideoInfo, count: int | None = None) -> str:
+        """The text the processor puts in place of the video's marker. ``count``: the frame
+        count it says in words, by default the video's; the processor says its call's most
+        (with several videos in a sample, the longest one's) for each."""
+        indices = self.frames(info)
+        metadata = video_metadata(info, [int(i) for i in indices])
+        shape = np.empty((1, count or len(indices), 0))  # what the processor reads of pixels
+        return self.processor.replace_video_token(
+            {"pixel_values": shape, "video_metadata": [metadata]}, 0
+        )
+
+    def token_ids(self, info: VideoInfo) -> np.ndarray:
+        """The prompt's ids, tokenized alone (in its sample, the text around it may join a
+        token or two at its ends: the sample's own count is the one packing uses); kept for
+        the last few thousand videos, as the epoch estimate asks for many."""
+        found = self._ids.get(info)
+        if found is None:
+            if len(self._ids) >= 4096:
+                self._ids.clear()
+            ids = self.tokenizer(self.prompt(info), add_special_tokens=False)["input_ids"]
+            found = self._ids[info] = np.asarray(ids, dtype=np.int64)
+            found.flags.writeable = False
+        return found
+
+    def units(self, frames: np.ndarray, info: VideoInfo, out: Any) -> None:
+        """The sampled ``frames`` (``[n, H, W, 3]`` uint8) resized by the video processor's
+        own resize (both steps) into ``out`` ``[n, 3, S, S]`` uint8."""
+        import torch
+
+        video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+        out.copy_(self.vp.resize(video[None].contiguous(), self.vp.size, self.vp.resample)[0])

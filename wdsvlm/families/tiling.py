@@ -189,6 +189,7 @@ class TilingFamily:
     name = "tiling"
     names: tuple[str, ...] = ()  # its batches carry no family name: no model_inputs
     unit_name = "tiles"
+    no_video = "the default tiling tiles images only"
     device_fields: tuple[str, ...] = ()
     chat_template = None  # the tokenizer's own, else ChatML
 

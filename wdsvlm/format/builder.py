@@ -29,17 +29,26 @@ from .sidecar import pack_entries, sidecar_name
 
 
 def sample_entry(
-    key: str, offset: int, size: int, images: Sequence[Sequence[int]], chars: Sequence[int]
+    key: str,
+    offset: int,
+    size: int,
+    images: Sequence[Sequence[int]],
+    chars: Sequence[int],
+    videos: Sequence[Mapping[str, Any]] = (),
 ) -> dict:
     """A sample's entry: its key, where its members lie in the tar (``offset``, ``size``
-    bytes), its images' displayed ``[width, height]`` and its turns' characters."""
-    return {
+    bytes), its images' displayed ``[width, height]``, its turns' characters and, if it has
+    any, what the index records of its videos (``format.videos.VideoInfo.as_dict``)."""
+    entry = {
         "key": key,
         "offset": offset,
         "size": size,
         "images": [list(wh) for wh in images],
         "chars": list(chars),
     }
+    if videos:
+        entry["videos"] = [dict(v) for v in videos]
+    return entry
 
 
 def publish_sidecar(
@@ -76,13 +85,16 @@ class Totals:
     multi_image: int = 0
     turns: int = 0
     chars: int = 0
+    videos: int = 0
     sources: Counter = field(default_factory=Counter)
 
-    def add(self, images: int, chars: Sequence[int], source: str) -> None:
-        """One sample of ``images`` images, ``chars`` characters per turn, from ``source``."""
+    def add(self, images: int, chars: Sequence[int], source: str, videos: int = 0) -> None:
+        """One sample of ``images`` images, ``videos`` videos, ``chars`` characters per turn,
+        from ``source``."""
         self.samples += 1
         self.images += images
-        self.text_only += images == 0
+        self.videos += videos
+        self.text_only += images == 0 and videos == 0
         self.multi_image += images > 1
         self.turns += len(chars)
         self.chars += sum(chars)
@@ -90,7 +102,7 @@ class Totals:
 
     def update(self, other: Totals) -> None:
         """Add ``other``'s samples (another shard's, counted elsewhere)."""
-        for name in ("samples", "images", "text_only", "multi_image", "turns", "chars"):
+        for name in ("samples", "images", "videos", "text_only", "multi_image", "turns", "chars"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.sources.update(other.sources)
 
@@ -125,6 +137,8 @@ def root_index(
         "sources": dict(sorted(totals.sources.items())),
         "skipped": dict(sorted(skipped.items())),
     }
+    if totals.videos:  # a dataset of images only says as before
+        index["totals"]["videos"] = totals.videos
     if shard_root is not None:
         index["shard_root"] = shard_root
     return index

@@ -14,12 +14,14 @@ records this way, and so does the reader of tars that hold such records in a JSO
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InputError
 
 IMAGE_MARKER = "<image>"
+VIDEO_MARKER = "<video>"
 RECORD_FORMATS = ("llava", "cauldron", "messages")
 
 _FORMAT_FIELDS = {"conversations": "llava", "texts": "cauldron", "messages": "messages"}
@@ -129,6 +131,8 @@ def _content(content: Any, n: int, where: str) -> str:
             kind = part.get("type") if isinstance(part, Mapping) else None
             if kind == "image":
                 parts.append(IMAGE_MARKER)
+            elif kind == "video":
+                parts.append(VIDEO_MARKER)
             elif kind == "text" and isinstance(part.get("text"), str):
                 parts.append(part["text"])
             else:
@@ -166,18 +170,45 @@ def check_turns(messages: list[dict], where: str) -> None:
         raise InputError(where, "bad_record", "no user turn")
 
 
-def place_images(messages: list[dict], n_images: int, where: str) -> None:
-    """One ``<image>`` marker per image: added at the start of the first user turn where the
-    text has none; ``InputError`` when the text has markers but not one per image."""
-    markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
-    if markers == n_images:
+_MARKER = re.compile(f"{re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)}")
+
+
+def media_order(messages: list[dict]) -> list[str]:
+    """``"image"`` or ``"video"`` for each marker of the conversation, in order."""
+    return [
+        "image" if found == IMAGE_MARKER else "video"
+        for m in messages
+        for found in _MARKER.findall(m["content"])
+    ]
+
+
+def place_images(messages: list[dict], n_images: int, where: str, n_videos: int = 0) -> None:
+    """One ``<image>`` marker per image and one ``<video>`` marker per video. A kind whose
+    markers the text lacks gets them at the start of the first user turn (videos first); a
+    record of videos and no images whose ``<image>`` markers are one per video (as
+    LLaVA-Video writes them) has them read as ``<video>``. ``InputError`` when the text has
+    markers of a kind but not one per item."""
+    images = sum(m["content"].count(IMAGE_MARKER) for m in messages)
+    videos = sum(m["content"].count(VIDEO_MARKER) for m in messages)
+    if n_videos and not n_images and not videos and images == n_videos:
+        for m in messages:
+            m["content"] = m["content"].replace(IMAGE_MARKER, VIDEO_MARKER)
         return
-    if markers == 0:
+    head = ""
+    for marker, found, count, reason in (
+        (VIDEO_MARKER, videos, n_videos, "video_count_mismatch"),
+        (IMAGE_MARKER, images, n_images, "image_count_mismatch"),
+    ):
+        if found == count:
+            continue
+        if found:
+            kind = marker.strip("<>")
+            raise InputError(
+                where,
+                reason,
+                f"{found} {marker} placeholder(s) in the text but {count} {kind}(s)",
+            )
+        head += marker * count
+    if head:
         first_user = next(m for m in messages if m["role"] == "user")
-        first_user["content"] = IMAGE_MARKER * n_images + "\n" + first_user["content"]
-        return
-    raise InputError(
-        where,
-        "image_count_mismatch",
-        f"{markers} {IMAGE_MARKER} placeholder(s) in the text but {n_images} image(s)",
-    )
+        first_user["content"] = head + "\n" + first_user["content"]

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from .members import VIDEO_EXTENSIONS
+
 # Formats stored as their original bytes; anything else is re-encoded to PNG.
 KEPT_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 # EXIF orientations that turn the image by 90 or 270 degrees (width and height swap).
@@ -236,6 +238,11 @@ def opencv() -> Any:
 
 
 def image_members(sample: dict) -> list[str]:
-    """The sample's image member names, in image order."""
-    found = [(int(m.group(1)), k) for k in sample if (m := IMAGE_MEMBER.fullmatch(k))]
+    """The sample's image member names, in image order (its numbered members that are no
+    videos: ``format.videos.video_members``)."""
+    found = [
+        (int(m.group(1)), k)
+        for k in sample
+        if (m := IMAGE_MEMBER.fullmatch(k)) and k.rsplit(".", 1)[1].lower() not in VIDEO_EXTENSIONS
+    ]
     return [k for _, k in sorted(found)]

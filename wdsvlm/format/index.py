@@ -108,17 +108,18 @@ def check_index(index: Any, where: str) -> None:
 
 def shard_summary(entries: Sequence[Mapping[str, Any]]) -> dict:
     """What the root index of version 2 says of a shard's samples besides their number:
-    sums for sizing (images, turns, characters, text-only samples) and the first and last
-    key (so that a key is looked up in the sidecars of the shards that can hold it)."""
-    return {
-        "sums": {
-            "images": sum(len(e.get("images", [])) for e in entries),
-            "text_only": sum(not e.get("images") for e in entries),
-            "turns": sum(len(e.get("chars", [])) for e in entries),
-            "chars": sum(sum(e.get("chars", [])) for e in entries),
-        },
-        "keys": [entries[0]["key"], entries[-1]["key"]] if len(entries) else [],
+    sums for sizing (images, videos where there are any, turns, characters, text-only
+    samples) and the first and last key (so that a key is looked up in the sidecars of the
+    shards that can hold it)."""
+    sums = {
+        "images": sum(len(e.get("images", [])) for e in entries),
+        "text_only": sum(not e.get("images") and not e.get("videos") for e in entries),
+        "turns": sum(len(e.get("chars", [])) for e in entries),
+        "chars": sum(sum(e.get("chars", [])) for e in entries),
     }
+    if videos := sum(len(e.get("videos", [])) for e in entries):
+        sums["videos"] = videos
+    return {"sums": sums, "keys": [entries[0]["key"], entries[-1]["key"]] if len(entries) else []}
 
 
 def sidecar_entry(name: str, data: bytes) -> dict:

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError
-from .conversation import IMAGE_MARKER, conversation_of, place_images
+from .conversation import IMAGE_MARKER, conversation_of, media_order, place_images
+from .videos import VIDEO_EXTENSIONS
 
 LAYOUTS = ("wdsvlm", "captions", "conversations")
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
@@ -86,6 +87,24 @@ def image_suffixes(suffixes: Sequence[str]) -> list[str]:
     if bare or numbered:
         return bare or [s for _, s in numbered]
     return _by_last_extension(suffixes, IMAGE_EXTENSIONS, "images")
+
+
+def video_suffixes(suffixes: Sequence[str]) -> list[str]:
+    """The video members of a sample with ``suffixes``, in video order: its one bare video
+    suffix (``mp4``) or its numbered ones (``1.mp4``, ...) in number order."""
+    bare = [s for s in suffixes if s.lower() in VIDEO_EXTENSIONS]
+    numbered = sorted(
+        (int(m.group(1)), s)
+        for s in suffixes
+        if (m := _NUMBERED.fullmatch(s)) and m.group(2).lower() in VIDEO_EXTENSIONS
+    )
+    if bare and numbered or len(bare) > 1:
+        raise BadSample(
+            "ambiguous_videos",
+            f"video members {sorted(bare + [s for _, s in numbered])}: either one bare video "
+            "suffix (mp4) or numbered ones (0.mp4, 1.mp4)",
+        )
+    return bare or [s for _, s in numbered]
 
 
 def image_extension(suffix: str) -> str:
@@ -176,9 +195,11 @@ class Layout:
         digest = hashlib.blake2b(f"{self.seed}\0{key}".encode(), digest_size=8).digest()
         return self.prompts[int.from_bytes(digest, "little") % len(self.prompts)]
 
-    def messages(self, key: str, members: Mapping[str, bytes], n_images: int) -> list[dict]:
-        """The sample's conversation, ``<image>`` markers in place; ``BadSample`` if there
-        is none."""
+    def messages(
+        self, key: str, members: Mapping[str, bytes], n_images: int, n_videos: int = 0
+    ) -> list[dict]:
+        """The sample's conversation, ``<image>`` and ``<video>`` markers in place;
+        ``BadSample`` if there is none."""
         if self.name == "captions":
             found = find_member(list(members), self.text, "text")
             if found is None:
@@ -202,7 +223,7 @@ class Layout:
             raise BadSample("invalid_json", f"its json member is not JSON: {e}") from None
         try:
             messages = conversation_of(doc, key)
-            place_images(messages, n_images, key)
+            place_images(messages, n_images, key, n_videos=n_videos)
         except InputError as e:
             raise BadSample(e.reason, e.message) from None
         return messages
@@ -213,9 +234,12 @@ class Layout:
         if self.native:
             return dict(members)
         images = image_suffixes(list(members))
-        messages = self.messages(key, members, len(images))
+        videos = video_suffixes(list(members))
+        messages = self.messages(key, members, len(images), len(videos))
         out = {"json": canonical_json(key, messages)}
-        for n, suffix in enumerate(images):
+        files = {"image": iter(images), "video": iter(videos)}
+        for n, kind in enumerate(media_order(messages)):  # numbered in the markers' order
+            suffix = next(files[kind])
             out[f"{n}.{image_extension(suffix)}"] = members[suffix]
         return out
 

@@ -8,15 +8,19 @@ A sidecar is a numpy ``.npz`` archive (uncompressed) of flat arrays: ``offset``,
 (int64, per sample), ``key_end`` (int64, per sample, into ``key_bytes``: the keys' UTF-8
 bytes back to back), ``image_count`` (int32, per sample) with ``image_size`` (int32
 ``[images, 2]``: width, height), ``turn_count`` (int32, per sample) with ``chars`` (int32, per
-turn). It loads in one read and maps into numpy without a Python object per sample; numpy
-is already a dependency, and any language with a zip and ``.npy`` reader can read it. A 1000-sample
-shard's sidecar is about 40 kB. ``Entries`` gives the samples as the index entries of version
-1 (``{"key", "offset", "size", "images", "chars"}``), made when asked for.
+turn), and for a shard that holds videos ``video_count`` (int32, per sample) with
+``video_info`` (the UTF-8 JSON list of what the index records of each video,
+``format.videos.VideoInfo``). It loads in one read and maps into numpy without a Python object
+per sample; numpy is already a dependency, and any language with a zip and ``.npy`` reader can
+read it. A 1000-sample shard's sidecar is about 40 kB. ``Entries`` gives the samples as the
+index entries of version 1 (``{"key", "offset", "size", "images", "chars"}``, and ``videos``
+for a sample that has any), made when asked for.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -52,6 +56,11 @@ def pack_entries(entries: Sequence[Mapping[str, Any]]) -> bytes:
         "turn_count": np.asarray([len(e.get("chars", [])) for e in entries], dtype=np.int32),
         "chars": np.asarray(chars, dtype=np.int32),
     }
+    videos = [v for e in entries for v in e.get("videos", [])]
+    if videos:  # only where there are: a shard of images is as before
+        arrays["video_count"] = np.asarray([len(e.get("videos", [])) for e in entries], np.int32)
+        text = json.dumps(videos, separators=(",", ":")).encode("utf-8")
+        arrays["video_info"] = np.frombuffer(text, dtype=np.uint8)
     out = io.BytesIO()
     np.savez(out, **arrays)
     return out.getvalue()
@@ -65,6 +74,8 @@ class Entries(Sequence):
         try:
             with np.load(io.BytesIO(data), allow_pickle=False) as archive:
                 arrays = {name: archive[name] for name in (*_ARRAYS, "chars")}
+                videos = archive["video_info"] if "video_info" in archive else None
+                video_count = archive["video_count"] if "video_count" in archive else None
         except Exception as e:  # noqa: BLE001 - any damage: named with the file
             raise ShardFormatError(f"{where}: not a readable wdsvlm sidecar ({e})") from None
         n = len(arrays["offset"])
@@ -77,6 +88,16 @@ class Entries(Sequence):
             "turn_count"
         ].sum() != len(arrays["chars"]):
             raise ShardFormatError(f"{where}: its image or turn counts do not add up")
+        self.videos: list | None = None  # what the index records of each video, in order
+        self._video_start = None
+        if video_count is not None and videos is not None:
+            try:
+                self.videos = json.loads(videos.tobytes().decode("utf-8"))
+            except ValueError as e:
+                raise ShardFormatError(f"{where}: its video_info is not JSON ({e})") from None
+            if len(video_count) != n or video_count.sum() != len(self.videos):
+                raise ShardFormatError(f"{where}: its video counts do not add up")
+            self._video_start = np.concatenate([[0], np.cumsum(video_count)])
         self.where = where
         self.offset, self.size = arrays["offset"], arrays["size"]
         self.image_count, self.image_size = arrays["image_count"], arrays["image_size"]
@@ -102,13 +123,16 @@ class Entries(Sequence):
             raise IndexError(f"sample {i} of a shard of {len(self)}")
         a, b = int(self._image_start[i]), int(self._image_start[i + 1])
         c, d = int(self._turn_start[i]), int(self._turn_start[i + 1])
-        return {
+        entry = {
             "key": self.key(i),
             "offset": int(self.offset[i]),
             "size": int(self.size[i]),
             "images": self.image_size[a:b].tolist(),
             "chars": self.chars[c:d].tolist(),
         }
+        if self._video_start is not None and self._video_start[i + 1] > self._video_start[i]:
+            entry["videos"] = self.videos[int(self._video_start[i]) : int(self._video_start[i + 1])]
+        return entry
 
     def __iter__(self) -> Iterator[dict]:
         return (self[i] for i in range(len(self)))

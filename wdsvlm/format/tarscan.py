@@ -25,8 +25,9 @@ from ..storage.fs import filesystem
 from .builder import sample_entry
 from .images import UnreadableImage, image_size
 from .index import FORMAT
-from .layouts import BadSample, Layout, image_suffixes, split_name
+from .layouts import BadSample, Layout, image_suffixes, split_name, video_suffixes
 from .tarball import BLOCK, padded
+from .videos import FRAMES, UnreadableVideo, probe_frames, probe_video
 
 
 class _HashingReader:
@@ -135,11 +136,11 @@ def scan_tar(url: str, layout: Layout, storage_options=None) -> dict:
                     outcomes.append(bad_sample(key, "bad_member", message))
                     continue
                 try:
-                    images, chars = _contents(key, members, layout)
+                    images, chars, videos = _contents(key, members, layout)
                 except BadSample as e:
                     outcomes.append(bad_sample(key, e.reason, str(e)))
                     continue
-                outcomes.append(sample_entry(key, start, end - start, images, chars))
+                outcomes.append(sample_entry(key, start, end - start, images, chars, videos))
             reader.rest()
             stop = tar.offset  # where tarfile stopped: the end-of-archive blocks, or not
             if not cut and (reader.count < stop + 2 * BLOCK or reader.last_nonzero >= stop):
@@ -166,9 +167,11 @@ def scan_tar(url: str, layout: Layout, storage_options=None) -> dict:
     }
 
 
-def _contents(key: str, members: Mapping[str, bytes], layout: Layout) -> tuple[list, list]:
-    """A sample's images' displayed sizes and its turns' characters, from its members."""
+def _contents(key: str, members: Mapping[str, bytes], layout: Layout) -> tuple[list, list, list]:
+    """A sample's images' displayed sizes, its turns' characters and what the index records
+    of its videos, from its members."""
     images = image_suffixes(list(members))
+    videos = video_suffixes(list(members))
     if layout.native:
         if any(not re.fullmatch(r"\d+\..+", s) for s in images):
             raise BadSample("bad_layout", "a wdsvlm sample's images are numbered (0.jpg)")
@@ -177,14 +180,26 @@ def _contents(key: str, members: Mapping[str, bytes], layout: Layout) -> tuple[l
         except (KeyError, TypeError, ValueError) as e:
             raise BadSample("invalid_json", f"no wdsvlm json member with messages ({e})") from None
     else:
-        chars = [len(m["content"]) for m in layout.messages(key, members, len(images))]
+        chars = [len(m["content"]) for m in layout.messages(key, members, len(images), len(videos))]
     sizes = []
     for suffix in images:
         try:
             sizes.append(image_size(members[suffix]))
         except UnreadableImage as e:
             raise BadSample("unreadable_image", f"image {suffix}: {e}") from None
-    return sizes, chars
+    infos = []
+    for suffix in videos:
+        ext = suffix.rsplit(".", 1)[-1].lower()
+        try:
+            probe = (
+                probe_frames(members[suffix])
+                if ext == FRAMES
+                else probe_video(members[suffix], ext)
+            )
+            infos.append(probe.as_dict())
+        except UnreadableVideo as e:
+            raise BadSample("unreadable_video", f"video {suffix}: {e}") from None
+    return sizes, chars, infos
 
 
 def scan_index(urls: list[str], storage_options: Mapping[str, Any] | None = None) -> dict:

@@ -223,6 +223,27 @@ def check_settings(trainer: Any) -> None:
     config = getattr(model, "config", None)
     if config is not None and trainer.loader.family.name != "tiling":
         check_attention(config, name)
+        check_video_timing(config, trainer.loader, name)
+
+
+def check_video_timing(config: Any, loader: Any, name: str) -> None:
+    """Qwen2.5-VL steps a video's temporal positions by its ``tokens_per_second`` per second;
+    the Loader's positions use the published value, which the model must have where the
+    Loader's data has videos."""
+    from ..loader.build import has_videos
+
+    family = loader.family
+    if family.name != "qwen2_5_vl" or not has_videos(loader.plan):
+        return
+    vision = getattr(config, "vision_config", None)
+    theirs = getattr(vision, "tokens_per_second", None)
+    ours = getattr(family, "tokens_per_second", None)
+    if theirs is not None and theirs != ours:
+        raise ValueError(
+            f"{name}: the model's vision_config.tokens_per_second is {theirs}, the Loader's "
+            f"video positions step {ours} per second (Qwen2.5-VL as published): load the "
+            f"model with vision_config.tokens_per_second={ours}"
+        )
 
 
 def check_attention(config: Any, name: str) -> None:

@@ -139,12 +139,17 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         chat_template=tokenize.chat_template,
         dataset=dataset_id(plan),
         shards_sha256=shards_sha256(plan),
-        tokenizer=tokenize.fingerprint(),
+        tokenizer=tokenize.fingerprint(videos=has_videos(plan)),
         batches_per_epoch=batches,
     )
     return LoaderParts(
         family, worker_config, plan, tokenize, stream, options, pad_token_id, batches, config
     )
+
+
+def has_videos(plan: Plan) -> bool:
+    """Whether the index of any of the plan's sources counts videos."""
+    return any(source.index.get("totals", {}).get("videos") for source in plan.sources)
 
 
 def topology(settings: LoaderSettings) -> WorkerConfig:

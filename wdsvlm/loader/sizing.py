@@ -77,6 +77,10 @@ def estimate_batches(
             images = tokenize.image_numbers(entry.get("images", []))
         except UnusableImage:
             continue  # skipped when it is read: an image the family refuses
+        videos = tokenize.video_numbers(entry.get("videos", []))
+        if videos is None:
+            continue  # skipped when it is read: a video the family cannot take
+        images += videos
         n_tiles = sum(units for units, _ in images)
         n_tokens = sum(t for _, t in images) + sum(entry.get("chars", [])) / per_text_token
         if tile_budget and n_tiles > tile_budget:
@@ -157,7 +161,8 @@ def characters_per_token(chosen: list[tuple], tokenize: Any, settings: Any) -> f
     chars = text = 0
     for sample in tokenize.encode(samples, stats=quiet):
         sizes = sample["__meta__"].get("images", [])
-        image_tokens = sum(tokens for _, tokens in tokenize.image_numbers(sizes))
+        videos = tokenize.video_numbers(sample["__meta__"].get("videos", [])) or []
+        image_tokens = sum(tokens for _, tokens in tokenize.image_numbers(sizes) + videos)
         chars += sum(sample["__meta__"].get("chars", []))
         text += sample["num_tokens"] - image_tokens
     return chars / text if chars and text else 3.5

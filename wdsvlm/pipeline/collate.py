@@ -18,7 +18,9 @@ import torch
 from ..families.base import Family
 from ..families.tiling import ImageConfig, TilingFamily
 from ..format.images import UnreadableImage
+from ..format.videos import UnreadableVideo, VideoInfo, decode_frames, video_members
 from .images import uint8_tiles
+from .memory import private_uint8, shared_uint8
 from .stats import SkipStats, sample_name
 from .tokenize import IGNORE_INDEX
 from .usermap import ImageMap, MapFailed
@@ -65,26 +67,56 @@ class Collate:
         samples = [s for row in rows for s in row]
         counts = [sum(s["image_tiles"]) for s in samples]
         pixels = uint8_tiles(sum(counts), self.family.unit_size)
-        failed, start = [], 0
-        for sample, n in zip(samples, counts, strict=True):
-            if n:
-                try:
+        video = getattr(self.family, "video", None)
+        frames = [sum(s.get("video_units", ())) for s in samples]
+        videos = None if video is None else uint8_units((sum(frames), *video.unit_shape))
+        failed, start, at = [], 0, 0
+        for sample, n, m in zip(samples, counts, frames, strict=True):
+            try:
+                if n:
                     self._fill(sample, pixels[start : start + n])
-                except UnreadableImage as e:
-                    self.stats.skip("collate", "undecodable_image", sample, str(e))
-                    failed.append((sample, start, n))
-                except MapFailed as e:
-                    self.stats.skip("collate", "map_error", sample, str(e))
-                    failed.append((sample, start, n))
+                if m:
+                    self._fill_videos(sample, videos[at : at + m])
+            except UnreadableImage as e:
+                self.stats.skip("collate", "undecodable_image", sample, str(e))
+                failed.append((sample, (start, n), (at, m)))
+            except UnreadableVideo as e:
+                self.stats.skip("collate", "undecodable_video", sample, str(e))
+                failed.append((sample, (start, n), (at, m)))
+            except MapFailed as e:
+                self.stats.skip("collate", "map_error", sample, str(e))
+                failed.append((sample, (start, n), (at, m)))
             start += n
+            at += m
         if failed:  # rare: leave the failed samples out, their rows pad instead
-            pixels = _without(pixels, [(a, n) for _, a, n in failed])
+            pixels = _without(pixels, [images for _, images, _ in failed])
+            if videos is not None:
+                videos = _without(videos, [of_videos for _, _, of_videos in failed])
             gone = {id(s) for s, _, _ in failed}
             rows = [[s for s in row if id(s) not in gone] for row in rows]
         batch = collate_rows(rows, self.max_length, self.pad_token_id, pixels)
+        if videos is not None:
+            batch["video_pixels"] = videos
+            kept = [s for row in rows for s in row]
+            batch["video_units"] = torch.tensor(
+                [u for s in kept for u in s.get("video_units", ())], dtype=torch.long
+            )
         batch.update(self._constant_fields)
         batch.update(self.family.batch_fields(rows, batch))
         return batch
+
+    def _fill_videos(self, sample: dict, out: torch.Tensor) -> None:
+        """Decode the sample's videos' sampled frames into their units, video by video."""
+        video = self.family.video
+        infos = [VideoInfo.from_dict(v) for v in sample["__meta__"]["videos"]]
+        names = video_members(sample)
+        if len(names) != len(infos):
+            raise UnreadableVideo(f"{len(names)} video members, the index lists {len(infos)}")
+        start = 0
+        for name, info, n in zip(names, infos, sample["video_units"], strict=True):
+            frames = decode_frames(sample[name], video.frames(info), info)
+            video.units(frames, info, out[start : start + n])
+            start += n
 
     def _fill(self, sample: dict, out: torch.Tensor) -> None:
         if "pixel_values" in sample:
@@ -99,9 +131,17 @@ def _without(pixels: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tenso
     keep = torch.ones(len(pixels), dtype=torch.bool)
     for start, n in ranges:
         keep[start : start + n] = False
-    out = uint8_tiles(int(keep.sum()), pixels.shape[-1])
+    out = uint8_units((int(keep.sum()), *pixels.shape[1:]))
     out.copy_(pixels[keep])
     return out
+
+
+def uint8_units(shape: tuple[int, ...]) -> torch.Tensor:
+    """An empty uint8 tensor of ``shape``, in shared memory inside a DataLoader worker (as
+    ``images.uint8_tiles``)."""
+    from torch.utils.data import get_worker_info
+
+    return private_uint8(shape) if get_worker_info() is None else shared_uint8(shape)
 
 
 def collate_rows(

@@ -24,13 +24,21 @@ def tiles_cv(batches: int, total: int, squares: int) -> float:
     return math.sqrt(max(0.0, squares / batches - mean * mean)) / mean
 
 
+def vision_units(sample: dict) -> int:
+    """The sample's vision units against the pack's budget: its images' tiles or patches and
+    its videos' patches."""
+    return sum(sample["image_tiles"]) + sum(sample.get("video_units", ()))
+
+
 def truncate_at_answer(sample: dict, max_length: int) -> dict | None:
     """The sample cut after its last whole answer (with its end-of-turn token) that fits in
-    ``max_length``, dropping the images whose tokens fall after the cut; None when not even
-    the first answer fits. The cut is at the end of an answer, so never inside an image's
-    tokens; ``image_at`` (set by ``Tokenize``) says where each image's tokens start.
+    ``max_length``, dropping the images and videos whose tokens fall after the cut; None when
+    not even the first answer fits. The cut is at the end of an answer, so never inside an
+    image's or a video's tokens; ``image_at`` and ``video_at`` (set by ``Tokenize``) say where
+    each one's tokens start.
     """
     from ..format.images import image_members
+    from ..format.videos import video_members
     from .tokenize import IGNORE_INDEX
 
     supervised = sample["labels"] != IGNORE_INDEX
@@ -50,6 +58,16 @@ def truncate_at_answer(sample: dict, max_length: int) -> dict | None:
         out["__meta__"] = {**sample["__meta__"], "images": sample["__meta__"]["images"][:kept]}
     if "pixel_values" in sample:
         out["pixel_values"] = sample["pixel_values"][: sum(out["image_tiles"])]
+    if "video_at" in sample:
+        videos = sum(1 for at in sample["video_at"] if at < cut)
+        for name in video_members(sample)[videos:]:
+            out.pop(name, None)
+        out["video_units"] = list(sample["video_units"][:videos])
+        out["video_at"] = list(sample["video_at"][:videos])
+        if "__meta__" in sample:
+            out["__meta__"]["videos"] = sample["__meta__"]["videos"][:videos]
+        if "video_values" in sample:
+            out["video_values"] = sample["video_values"][: sum(out["video_units"])]
     return out
 
 
@@ -95,7 +113,7 @@ class Pack:
     pass-end case (+0.82 pp against best-fit at 1024 tokens, against +0.17 pp).
 
     A sample longer than ``max_length`` or with more tiles than ``max_tiles_per_pack`` is
-    dropped and counted (``too_many_tokens``, ``too_many_tiles``, in the run's ``stats`` with
+    dropped and counted (``too_many_tokens``, ``too_many_vision_units``, in the run's ``stats`` with
     its key): a drop is good data outside the budgets, not a failure, so it is not "skipped".
     With ``truncate=True`` a sample that is only too long is cut after its last whole answer
     that fits instead (``truncate_at_answer``; counted in ``stats.truncated``).
@@ -148,14 +166,14 @@ class Pack:
         counted in ``stats`` when given), its tokens and tiles, and why it cannot be packed
         at all (or None)."""
         limits = self._limits
-        tokens, tiles = sample["num_tokens"], sum(sample["image_tiles"])
+        tokens, tiles = sample["num_tokens"], vision_units(sample)
         reason = limits.oversized(tokens, tiles)
         if reason == "too_many_tokens" and self.truncate:
             cut = truncate_at_answer(sample, self.max_length)
             if cut is not None:
                 if stats is not None:
                     stats.truncated += 1
-                sample, tokens, tiles = cut, cut["num_tokens"], sum(cut["image_tiles"])
+                sample, tokens, tiles = cut, cut["num_tokens"], vision_units(cut)
                 reason = limits.oversized(tokens, tiles)
         return sample, tokens, tiles, reason
 
@@ -219,7 +237,7 @@ def _pass_of(pack: list[dict]):
 
 
 def _tiles_of(pack: list[dict]) -> int:
-    return sum(sum(s["image_tiles"]) for s in pack)
+    return sum(vision_units(s) for s in pack)
 
 
 def choose_batch(tiles: Sequence[int], batch_size: int, target: float) -> list[int]:

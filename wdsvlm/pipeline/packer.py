@@ -206,7 +206,7 @@ class Packer:
         if tokens > self.max_length:
             return "too_many_tokens"
         if tiles > self.max_tiles:
-            return "too_many_tiles"
+            return "too_many_vision_units"
         return None
 
     def push(self, item, tokens: int, tiles: int) -> list[list]:

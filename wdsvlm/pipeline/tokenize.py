@@ -26,44 +26,22 @@ import numpy as np
 from ..errors import TemplateError
 from ..families.base import Family
 from ..families.tiling import ImageConfig, TilingFamily
-from ..format.conversation import IMAGE_MARKER
+from ..format.conversation import IMAGE_MARKER, VIDEO_MARKER
 from ..format.images import UnreadableImage, UnusableImage, image_members, image_size
+from ..format.videos import VideoInfo
 from .labels import answer_ranges, marked
+from .placeholders import (
+    IGNORE_INDEX,
+    expand,
+    expand_text,
+    in_spans,
+    span_starts,
+    video_refusal,
+)
 from .places import Fetch, Place, StageRun, copied, places_of, present
 from .stats import SkipStats
+from .template import CHATML_TEMPLATE, PROBE, check_template
 from .usermap import SampleMap
-
-IGNORE_INDEX = -100
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-# A conversation every chat template renders: used once to find out whether it compiles.
-_PROBE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
-
-
-def check_template(tokenizer, template: str, probe: list[dict] = _PROBE) -> None:
-    """Refuse a chat template that transformers cannot compile (a syntax error is the
-    template's fault, not a sample's), naming where it fails; or one that cannot render
-    ``probe``, a short conversation as the family gives it (a processor family's content
-    lists)."""
-    try:
-        tokenizer.apply_chat_template(probe, chat_template=template, tokenize=False)
-    except jinja2.TemplateSyntaxError as e:
-        raise TemplateError(
-            f"the chat template does not compile (line {e.lineno}: {e.message})"
-        ) from None
-    except TypeError as e:
-        raise TemplateError(
-            f"the chat template cannot render content lists ({e}); a model family's "
-            "processor needs its own chat template (processor.chat_template)"
-        ) from None
-    except jinja2.TemplateError:
-        pass  # it compiles; it refuses this conversation, as it may refuse a sample
 
 
 class Tokenize:
@@ -117,36 +95,51 @@ class Tokenize:
             )
         self.tokenizer = tok
         self.image_token_id = tok.convert_tokens_to_ids(self.image_token)
+        # the family's videos (None: it takes none), and the one token its template puts
+        # where a video goes
+        self.video = getattr(family, "video", None)
+        self.video_token_id = None if self.video is None else self.video.video_token_id
         template = chat_template or family.chat_template or tok.chat_template or CHATML_TEMPLATE
         if isinstance(template, dict):  # several named templates: the default one
             template = template.get("default") or next(iter(template.values()))
         self.chat_template = template
+        # the template a processor renders a conversation with videos by, where it has its own
+        # (SmolVLM's) and none is asked for
+        video_template = getattr(family, "video_chat_template", None)
+        self.video_template = template if chat_template or not video_template else video_template
         self.batch_size = batch_size
         self.stats = stats if stats is not None else SkipStats()
         self.sample_map = sample_map
         # Special tokens longest first: the end-of-turn token is the one right after an answer.
         self._specials = sorted(set(tok.all_special_tokens), key=len, reverse=True)
-        check_template(tok, template, family.chat_messages(_PROBE))
+        check_template(tok, template, family.chat_messages(PROBE))
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, videos: bool = False) -> str:
         """A short hash of the tokenizer in use (its vocabulary, added tokens included, and
         its special tokens; not its serialised form, which a new release of tokenizers may
-        write differently): a resumed loader must tokenize as the saved one did."""
+        write differently): a resumed loader must tokenize as the saved one did. With
+        ``videos`` (the data holds some), what the family makes of videos too: a dataset of
+        images keeps its fingerprint whatever the video processor's settings."""
         import hashlib
 
         tok = self.tokenizer
         facts = [sorted(tok.get_vocab().items()), sorted(tok.all_special_tokens)]
         facts += self.family.fingerprint_facts()  # what a processor makes of images
+        if videos and self.video is not None:
+            facts.append(self.video.fingerprint_facts())
         return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
 
-    def render(self, messages: list[dict], where: str = "a conversation") -> str:
+    def render(
+        self, messages: list[dict], where: str = "a conversation", videos: bool = False
+    ) -> str:
         """The conversation as transformers renders it (``apply_chat_template``: the same
         sandbox, globals and extensions, ``{% generation %}`` included). A template that
         fails on it (``raise_exception``, an undefined name) raises ``TemplateError`` naming
         ``where`` (the sample's ``SHARD/KEY``)."""
         try:
+            template = self.video_template if videos else self.chat_template
             return self.tokenizer.apply_chat_template(
-                messages, chat_template=self.chat_template, tokenize=False
+                messages, chat_template=template, tokenize=False
             )
         except (jinja2.TemplateError, TypeError) as e:  # TypeError: content it cannot take
             raise TemplateError(
@@ -194,6 +187,10 @@ class Tokenize:
         sizes = self.sizes_of(sample)
         return [self.family.image_cost(w, h, len(sizes) == 1) for w, h in sizes]
 
+    def videos_of(self, sample: dict) -> list[VideoInfo]:
+        """What the index records of the sample's videos, in order."""
+        return [VideoInfo.from_dict(v) for v in sample.get("__meta__", {}).get("videos", [])]
+
     def image_numbers(self, sizes: list) -> list[tuple[int, int]]:
         """``(vision units, tokens)`` of each image of a sample whose images are displayed at
         ``sizes`` (``(width, height)`` each)."""
@@ -203,6 +200,20 @@ class Tokenize:
             (family.image_cost(w, h, alone), len(family.image_token_ids(w, h, alone)))
             for w, h in sizes
         ]
+
+    def video_numbers(self, videos: list[dict]) -> list[tuple[int, int]] | None:
+        """``(vision units, tokens)`` of each video whose index records are ``videos``; None
+        where the family takes no video or its processor cannot sample one of them (such a
+        sample is skipped when it is read)."""
+        if not videos:
+            return []
+        if self.video is None:
+            return None
+        infos = [VideoInfo.from_dict(v) for v in videos]
+        try:
+            return [(self.video.cost(i), len(self.video.token_ids(i))) for i in infos]
+        except ValueError:  # a video its processor cannot sample: skipped when it is read
+            return None
 
     def _image_ids(self, sample: dict) -> list[np.ndarray]:
         """The token ids that replace each image's one image token."""
@@ -231,35 +242,51 @@ class Tokenize:
         except UnusableImage as e:
             stats.skip("tokenize", "unusable_image", sample, str(e))
             return None
-        markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
-        if markers != len(tiles):
-            stats.skip(
-                "tokenize",
-                "image_count_mismatch",
-                sample,
-                f"{markers} {IMAGE_MARKER} markers but {len(tiles)} images",
-            )
+        videos = self.videos_of(sample)
+        for marker, count, kind in (
+            (IMAGE_MARKER, len(tiles), "image"),
+            (VIDEO_MARKER, len(videos), "video"),
+        ):
+            markers = sum(m["content"].count(marker) for m in messages)
+            if markers != count:
+                message = f"{markers} {marker} markers but {count} {kind}s"
+                stats.skip("tokenize", f"{kind}_count_mismatch", sample, message)
+                return None
+        refused = video_refusal(self.family, videos, len(tiles))
+        if refused is not None:
+            stats.skip("tokenize", refused[0], sample, refused[1])
             return None
         messages = self.family.chat_messages(messages)
         try:
             key = f"{sample.get('__shard__')}/{sample.get('__key__')}"
-            text = self.render(messages, key)
+            text = self.render(messages, key, videos=bool(videos))
         except TemplateError as e:  # the template refuses this conversation
             stats.skip("tokenize", "template_error", sample, str(e))
             return None
         try:
-            return text, self._supervised(text, messages, key), tiles
+            ranges = self._supervised(text, messages, key, videos=bool(videos))
         except TemplateError as e:  # rendered, but the answers cannot be found in it
             stats.skip("tokenize", "template_mismatch", sample, str(e))
             return None
+        if videos and self.video.in_text:  # the prompts go in before tokenizing, as there
+            count = max(len(self.video.frames(v)) for v in videos)  # as the processor says it
+            prompts = [self.video.prompt(v, count) for v in videos]
+            try:
+                text, ranges, sample["__video_spans__"] = expand_text(
+                    text, self.video.video_token, prompts, ranges
+                )
+            except ValueError as e:
+                stats.skip("tokenize", "video_count_mismatch", sample, str(e))
+                return None
+        return text, ranges, tiles
 
     def _supervised(
-        self, text: str, messages: list[dict], where: str = "a conversation"
+        self, text: str, messages: list[dict], where: str = "a conversation", videos: bool = False
     ) -> list[tuple[int, int]]:
         """Character ranges of the answers' text (with their end-of-turn tokens) in ``text``
         (see ``labels.answer_ranges``)."""
         try:
-            skeleton = self.render(marked(messages), where)
+            skeleton = self.render(marked(messages), where, videos)
         except TemplateError:
             skeleton = None
         return answer_ranges(text, messages, skeleton, self._specials)
@@ -286,7 +313,8 @@ class Tokenize:
             for a, b in ranges:
                 supervised |= (offsets[:, 1] > a) & (offsets[:, 0] < b)
             labels = np.where(supervised, ids, IGNORE_INDEX)
-            places = np.flatnonzero(ids == self.image_token_id)
+            spans = sample.pop("__video_spans__", None)  # videos' prompts already in the text
+            places = np.flatnonzero((ids == self.image_token_id) & ~in_spans(offsets, spans or ()))
             if len(places) != len(tiles):
                 stats.skip(
                     "tokenize",
@@ -295,7 +323,26 @@ class Tokenize:
                     f"{len(places)} image tokens after templating, {len(tiles)} images",
                 )
                 continue
-            ids, labels, image_at = _expand(ids, labels, places, self._image_ids(sample))
+            videos = self.videos_of(sample)
+            at = np.flatnonzero(ids == self.video_token_id) if videos else places[:0]
+            if spans is not None:  # (such a sample has no images: no piece moves them)
+                at = span_starts(offsets, spans)
+            if len(at) != len(videos):
+                stats.skip(
+                    "tokenize",
+                    "video_count_mismatch",
+                    sample,
+                    f"{len(at)} video tokens after templating, {len(videos)} videos",
+                )
+                continue
+            pieces = list(zip(places, self._image_ids(sample), strict=True))
+            if spans is None:
+                pieces += zip(at, [self.video.token_ids(v) for v in videos], strict=True)
+            ids, labels, starts = expand(ids, labels, pieces)
+            image_at = starts[: len(places)]
+            if videos:
+                sample["video_units"] = [self.video.cost(v) for v in videos]
+                sample["video_at"] = starts[len(places) :] if spans is None else at.tolist()
             stats.ok("tokenize")
             del sample["json"]
             sample["input_ids"] = ids
@@ -349,27 +396,3 @@ def messages_of(record: dict) -> list[dict]:
     if not all(isinstance(m["content"], str) for m in messages):
         raise TypeError("message content must be a string")
     return messages
-
-
-def _expand(
-    ids: np.ndarray, labels: np.ndarray, places: np.ndarray, images: list[np.ndarray]
-) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """``ids`` and ``labels`` with the image token at each of ``places`` replaced by that
-    image's ids (labelled -100), and where each image's ids start."""
-    if not len(places):
-        return ids, labels, []
-    pieces, marks, image_at, at, length = [], [], [], 0, 0
-    for place, image in zip(places, images, strict=True):
-        pieces += [ids[at:place], image]
-        marks += [labels[at:place], np.full(len(image), IGNORE_INDEX)]
-        length += place - at
-        image_at.append(int(length))
-        length += len(image)
-        at = place + 1
-    pieces.append(ids[at:])
-    marks.append(labels[at:])
-    return (
-        np.concatenate(pieces).astype(np.int64, copy=False),
-        np.concatenate(marks).astype(np.int64, copy=False),
-        image_at,
-    )

@@ -73,12 +73,26 @@ def onevision_processor(**image_kwargs: Any) -> ProcessorMixin:
     return TinyLlavaOnevisionProcessor(
         image_processor,
         tokenizer,
-        ImagesOnlyVideoProcessor(),
+        onevision_video_processor(settings),
         num_image_tokens=(view // ONEVISION_PATCH) ** 2,
         vision_feature_select_strategy="full",  # SigLIP has no CLS token to drop
         chat_template=ONEVISION_TEMPLATE,
         vision_aspect_ratio="anyres_max_9",
     )
+
+
+def onevision_video_processor(settings: dict) -> Any:
+    """The real video processor (which needs torchvision) with the image settings, sampling 4
+    frames of each video (the model stacks a batch's videos: they need one frame count);
+    without torchvision, a stand-in that refuses videos."""
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        return ImagesOnlyVideoProcessor()
+    from transformers import LlavaOnevisionVideoProcessor
+
+    video = {k: settings[k] for k in ("size", "image_mean", "image_std", "resample")}
+    return LlavaOnevisionVideoProcessor(**video, do_sample_frames=True, num_frames=4)
 
 
 def onevision_model_config(processor: ProcessorMixin) -> tuple[Any, type[PreTrainedModel]]:

@@ -155,12 +155,32 @@ def qwen_processor(family: str, **image_kwargs: Any) -> ProcessorMixin:
     tokenizer = family_tokenizer(
         QWEN_TOKENS, eos="<|im_end|>", pad="<|endoftext|>", bos=None, chat_template=template
     )
-    video = ImagesOnlyVideoProcessor(
-        patch_size=image_processor.patch_size,
-        merge_size=image_processor.merge_size,
-        temporal_patch_size=image_processor.temporal_patch_size,
+    return cls(
+        image_processor, tokenizer, video_processor(family, settings), chat_template=template
     )
-    return cls(image_processor, tokenizer, video, chat_template=template)
+
+
+def video_processor(family: str, settings: dict) -> Any:
+    """The family's real video processor (which needs torchvision) with the image settings,
+    sampling 2 frames a second, 4 to 16 of them; without torchvision, a stand-in that
+    refuses videos."""
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        return ImagesOnlyVideoProcessor(
+            patch_size=settings["patch_size"],
+            merge_size=settings["merge_size"],
+            temporal_patch_size=settings["temporal_patch_size"],
+        )
+    from transformers import Qwen2VLVideoProcessor, Qwen3VLVideoProcessor
+
+    video = {**settings, "fps": 2, "min_frames": 4, "max_frames": 16, "do_sample_frames": True}
+    video["cap_pixels_per_frame"] = False  # what the processors do today (and say so)
+    if family == "qwen3_vl":  # its pixel bounds are over all the frames of a video
+        size = settings["size"]
+        video["size"] = {**size, "longest_edge": size["longest_edge"] * 8}
+        return Qwen3VLVideoProcessor(**video)
+    return Qwen2VLVideoProcessor(**video)
 
 
 def qwen_model_config(family: str, processor: ProcessorMixin) -> tuple[Any, type[PreTrainedModel]]:
@@ -231,6 +251,7 @@ def qwen_model_config(family: str, processor: ProcessorMixin) -> tuple[Any, type
         # Windows of 2x2 merged tokens (published: 112 px = 4x4), so that windowed
         # attention is exercised by small images; the last layer attends fully.
         "window_size": 2 * ip.merge_size * ip.patch_size,
+        "tokens_per_second": 2,  # as published (the class defaults to 4)
         "fullatt_block_indexes": [VISION_LAYERS - 1],
         **patches,
     }

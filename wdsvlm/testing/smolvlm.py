@@ -85,8 +85,7 @@ def smol_processor(family: str, **image_kwargs: Any) -> ProcessorMixin:
             bos="<|im_start|>",
             chat_template=SMOLVLM_TEMPLATE,
         )
-        # SmolVLM's published video processor samples 64 frames at most, 1 a second.
-        video = ImagesOnlyVideoProcessor(num_frames=64, fps=1)
+        video = smol_video_processor(settings)
         return TinySmolVLMProcessor(
             image_processor, tokenizer, video, image_seq_len=seq_len, chat_template=SMOLVLM_TEMPLATE
         )
@@ -100,6 +99,21 @@ def smol_processor(family: str, **image_kwargs: Any) -> ProcessorMixin:
     return Idefics3Processor(
         image_processor, tokenizer, image_seq_len=seq_len, chat_template=IDEFICS3_TEMPLATE
     )
+
+
+def smol_video_processor(settings: dict) -> Any:
+    """SmolVLM's real video processor (which needs torchvision) with the image settings,
+    sampling 2 frames a second, 8 at most (the published one: 1 a second, 64 at most);
+    without torchvision, a stand-in that refuses videos."""
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        return ImagesOnlyVideoProcessor(num_frames=64, fps=1)
+    from transformers import SmolVLMVideoProcessor
+
+    keep = ("size", "max_image_size", "image_mean", "image_std", "resample")
+    video = {k: settings[k] for k in keep}
+    return SmolVLMVideoProcessor(**video, do_sample_frames=True, num_frames=8, fps=2)
 
 
 def smol_image_seq_len(tile: int) -> int:

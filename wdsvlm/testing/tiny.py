@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import transformers
 from transformers import PreTrainedModel, ProcessorMixin
 
 from .. import compat
@@ -32,18 +33,29 @@ def _check_family(family: str) -> None:
         raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
 
 
-def tiny_processor(family: str, **image_kwargs: Any) -> ProcessorMixin:
+def tiny_processor(family: str, backend: str = "pil", **image_kwargs: Any) -> ProcessorMixin:
     """The family's processor over a small tokenizer and small images.
 
+    ``backend``: the image processor's, ``"pil"`` (``...ImageProcessorPil``) or
+    ``"torchvision"`` (what ``AutoProcessor`` gives where torchvision is installed).
     ``image_kwargs`` override the image processor's settings (e.g. ``max_pixels`` for Qwen,
     ``max_image_size={"longest_edge": 128}`` and ``size={"longest_edge": 512}`` for SmolVLM).
     """
     _check_family(family)
-    if family.startswith("qwen"):
-        return qwen_processor(family, **image_kwargs)
-    if family == "llava_onevision":
-        return onevision_processor(**image_kwargs)
-    return smol_processor(family, **image_kwargs)
+    if backend not in ("pil", "torchvision"):
+        raise ValueError(f"backend {backend!r}: 'pil' or 'torchvision'")
+    processor = (
+        qwen_processor(family, **image_kwargs)
+        if family.startswith("qwen")
+        else onevision_processor(**image_kwargs)
+        if family == "llava_onevision"
+        else smol_processor(family, **image_kwargs)
+    )
+    if backend == "torchvision":  # the same settings on the torchvision-backed class
+        pil = processor.image_processor
+        cls = getattr(transformers, type(pil).__name__.removesuffix("Pil"))
+        processor.image_processor = cls(**pil.to_dict())
+    return processor
 
 
 def tiny_model(

@@ -184,9 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser(
         "inspect",
         help="print a few samples and draw them on a contact sheet",
-        description="Print samples as stored (key, images with sizes and tiles, each turn, "
-        "token counts with --tokenizer) and write a contact sheet PNG: each sample's images "
-        "beside its turns.",
+        description="Print samples as stored (key, images with sizes and tiles, videos with "
+        "their frames and rate, each turn, token counts with --tokenizer or --processor) and "
+        "write a contact sheet PNG: each sample's images and video frames beside its turns.",
     )
     inspect.add_argument(
         "source", metavar="SOURCE", help="dataset folder or URL, or a mixture file (.yaml, .json)"
@@ -197,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--out", metavar="PNG", help="write the contact sheet here")
     inspect.add_argument("--tokenizer", metavar="T", help="count tokens with this tokenizer")
+    inspect.add_argument(
+        "--processor",
+        metavar="P",
+        help="count tokens as this Hugging Face processor's family does (name or folder, or "
+        "tiny:FAMILY), and show the frames it samples of each video",
+    )
     pipeline_options(inspect)
     common_options(inspect)
 
@@ -211,7 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument(
         "source", metavar="SOURCE", help="dataset folder or URL, or a mixture file (.yaml, .json)"
     )
-    stats.add_argument("--tokenizer", required=True, metavar="T", help="tokenizer name or folder")
+    stats.add_argument("--tokenizer", metavar="T", help="tokenizer name or folder (the tiling)")
+    stats.add_argument(
+        "--processor",
+        metavar="P",
+        help="tokenize as this Hugging Face processor's family does, videos included (name or "
+        "folder, or tiny:FAMILY); instead of --tokenizer",
+    )
     stats.add_argument("--max-length", type=positive, required=True, metavar="L")
     stats.add_argument(
         "--batch-size",

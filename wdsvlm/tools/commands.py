@@ -91,8 +91,11 @@ def index(args: argparse.Namespace) -> None:
 
 
 def inspect(args: argparse.Namespace) -> None:
+    from .bench_processor import bench_processor
     from .samples import inspect_samples
 
+    if args.tokenizer is not None and args.processor is not None:
+        raise ValueError("give --tokenizer T or --processor P, not both")
     views = inspect_samples(
         args.source,
         n=args.n,
@@ -101,10 +104,11 @@ def inspect(args: argparse.Namespace) -> None:
         image_config=image_config(args),
         tokens_per_tile=args.tokens_per_tile,
         storage_options=args.storage_options,
+        processor=None if args.processor is None else bench_processor(args.processor),
     )
     print("\n\n".join(view.describe() for view in views))
-    if args.tokenizer is None:
-        print("(token counts: pass --tokenizer T)")
+    if args.tokenizer is None and args.processor is None:
+        print("(token counts: pass --tokenizer T or --processor P)")
     if args.out:
         from .pictures import contact_sheet
 
@@ -113,8 +117,11 @@ def inspect(args: argparse.Namespace) -> None:
 
 
 def stats(args: argparse.Namespace) -> None:
+    from .bench_processor import bench_processor
     from .dataset_stats import dataset_stats
 
+    if (args.tokenizer is None) == (args.processor is None):
+        raise ValueError("give --tokenizer T or --processor P (one of them)")
     if args.out:
         from .pictures import pyplot
 
@@ -122,6 +129,7 @@ def stats(args: argparse.Namespace) -> None:
     found = dataset_stats(
         args.source,
         args.tokenizer,
+        processor=None if args.processor is None else bench_processor(args.processor),
         max_length=args.max_length,
         batch_size=args.batch_size,
         limit=args.limit,

@@ -15,13 +15,14 @@ import numpy as np
 
 from ..families.tiling import ImageConfig
 from ..format.images import image_members
+from ..format.videos import video_members
 from ..pipeline.stats import SkipStats
 from ..progress import progress
 from .samples import token_kinds
 
 log = logging.getLogger("wdsvlm.stats")
 
-PACK_REASONS = ("too_many_tokens", "too_many_tiles")
+PACK_REASONS = ("too_many_tokens", "too_many_vision_units")
 
 
 def _percentile(values: np.ndarray, q: float) -> float:
@@ -50,6 +51,10 @@ class DatasetStats:
     per_source: dict[str, dict] = field(default_factory=dict)
     """For a mixture, per source: samples its share of the pass plans, read and tokenized,
     kept (fit the budgets), and their tokens."""
+    videos: dict[str, int] = field(default_factory=dict)
+    """Videos read, their vision units and their tokens (those in place of each video's
+    marker, as ``inspect`` counts them), with a processor's family."""
+    unit_name: str = "tiles"
 
     @property
     def samples(self) -> int:
@@ -63,6 +68,7 @@ class DatasetStats:
             "batch_size": self.batch_size,
             "samples": self.samples,
             "images": self.images,
+            **({"videos": self.videos} if self.videos.get("videos") else {}),
             "tiles": int(self.tiles.sum()),
             "tokens": int(t.sum()),
             "supervised_tokens": self.supervised,
@@ -87,6 +93,17 @@ class DatasetStats:
         rows = [
             ("samples", f"{d['samples']}"),
             ("images", f"{d['images']}"),
+            *(
+                [
+                    (
+                        "videos",
+                        f"{self.videos['videos']} ({self.videos['units']} {self.unit_name}, "
+                        f"{self.videos['tokens']} tokens)",
+                    )
+                ]
+                if self.videos.get("videos")
+                else []
+            ),
             ("tiles", f"{d['tiles']} ({d['tiles'] / max(d['samples'], 1):.2f} per sample)"),
             (
                 "tokens per sample",
@@ -148,8 +165,9 @@ def naive_padding(lengths: Mapping[Any, int], batch_size: int, seed: int = 0) ->
 
 def dataset_stats(
     source: str,
-    tokenizer: Any,
+    tokenizer: Any = None,
     *,
+    processor: Any = None,
     max_length: int = 2048,
     batch_size: int = 8,
     limit: int | None = None,
@@ -163,8 +181,9 @@ def dataset_stats(
     show_progress: bool = True,
 ) -> DatasetStats:
     """Read ``source`` (all of it, or its first ``limit`` samples in a seeded shuffled shard
-    order), tokenize it as the loader does (tile counts from the index: no image is decoded)
-    and pack it with the loader's packer at ``max_length``.
+    order), tokenize it as the loader does (tile counts from the index: no image is decoded;
+    with a ``processor``, as its family does, videos included) and pack it with the loader's
+    packer at ``max_length``.
 
     Padding is compared over the samples that fit: naive pad-to-longest batches of
     ``batch_size`` in shuffled order, every sample padded to ``max_length``, and wdsvlm's
@@ -178,9 +197,16 @@ def dataset_stats(
 
     config = image_config or ImageConfig()
     skips = SkipStats(max_consecutive=sys.maxsize)  # count every bad sample: no cap here
-    tokenize = Tokenize(
-        tokenizer, tokens_per_tile=tokens_per_tile, image_config=config, stats=skips
-    )
+    if processor is not None:
+        from ..families.registry import family_of
+
+        tokenize = Tokenize(family=family_of(processor), stats=skips)
+    else:
+        tokenize = Tokenize(
+            tokenizer, tokens_per_tile=tokens_per_tile, image_config=config, stats=skips
+        )
+    video_token = tokenize.video_token_id
+    videos = {"videos": 0, "units": 0, "tokens": 0}
     plan = Plan(source, seed=seed, worker_config=WorkerConfig(), storage_options=storage_options)
     total = plan.num_samples
     if limit is not None:
@@ -206,15 +232,26 @@ def dataset_stats(
             tokens.append(sample["num_tokens"])
             tiles.append(sum(sample["image_tiles"]))
             images += len(sample["image_tiles"])
+            if sample.get("video_units"):
+                videos["videos"] += len(sample["video_units"])
+                videos["units"] += int(sum(sample["video_units"]))
+                videos["tokens"] += sum(
+                    len(tokenize.video.token_ids(info)) for info in tokenize.videos_of(sample)
+                )
             supervised += int((sample["labels"] != IGNORE_INDEX).sum())
             if len(picture) < picture_samples:
-                picture.append(token_kinds(sample, tokenize.image_token_id))
+                picture.append(token_kinds(sample, tokenize.image_token_id, video_token))
             del sample["input_ids"], sample["labels"]  # only sizes are needed from here
-            for name in image_members(sample):
+            for name in [*image_members(sample), *video_members(sample)]:
                 del sample[name]
             yield sample
 
-    pack = Pack(max_length, max_tiles_per_pack=max_tiles_per_pack, window=pack_window)
+    pack = Pack(
+        max_length,
+        max_tiles_per_pack=max_tiles_per_pack,
+        window=pack_window,
+        unit=tokenize.family.unit_name,
+    )
     fitting = {}  # by (shard, key, place): a mixture's pass may hold a sample twice
     packing = pack(measured(tokenize(bar)))
     for packed in packing:
@@ -247,4 +284,6 @@ def dataset_stats(
         samples_per_pack=packs.samples / packs.packs if packs.packs else 0.0,
         picture=picture,
         per_source=per_source if plan.mixture else {},
+        videos=videos,
+        unit_name=tokenize.family.unit_name,
     )

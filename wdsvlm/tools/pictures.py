@@ -8,6 +8,7 @@ import io
 import itertools
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
@@ -90,8 +91,31 @@ def _thumbnail(data: bytes, box: tuple[int, int]) -> Image.Image | None:
         return None
 
 
+def _video_thumbnail(video: Any, box: tuple[int, int]) -> Image.Image | None:
+    """Up to 4 of a video's frames shown (of those sampled, evenly spaced), as stored, in a
+    2x2 grid within ``box``, or None when they do not decode."""
+    from ..format.videos import UnreadableVideo, decode_frames
+
+    frames = video.frames
+    if len(frames) > 4:
+        frames = [frames[round(k * (len(frames) - 1) / 3)] for k in range(4)]
+    try:
+        pixels = decode_frames(video.data, frames, video.info)
+    except (UnreadableVideo, ValueError):
+        return None
+    cell = (max(1, box[0] // 2), max(1, box[1] // 2))
+    grid = Image.new("RGB", (cell[0] * 2, cell[1] * 2), "white")
+    for k, frame in enumerate(pixels):
+        picture = Image.fromarray(frame)
+        picture.thumbnail(cell)
+        grid.paste(picture, ((k % 2) * cell[0], (k // 2) * cell[1]))
+    grid.thumbnail(box)
+    return grid
+
+
 def contact_sheet(views: Sequence[SampleView], path: str) -> tuple[int, int]:
-    """Each sample in one row of ``SHEET_ROW`` pixels: its images, then its key and turns.
+    """Each sample in one row of ``SHEET_ROW`` pixels: its images and videos (up to 4 of the
+    frames sampled of each), then its key and turns.
     Writes a PNG of ``SHEET_WIDTH x SHEET_ROW * len(views)`` pixels; returns that size."""
     size = (SHEET_WIDTH, SHEET_ROW * max(len(views), 1))
     sheet = Image.new("RGB", size, "white")
@@ -103,14 +127,16 @@ def contact_sheet(views: Sequence[SampleView], path: str) -> tuple[int, int]:
         top = row * SHEET_ROW
         if row:
             draw.line([(0, top), (SHEET_WIDTH, top)], fill="#cccccc")
-        shown = view.images[:3]
+        shown = [("image", data) for data in view.images]
+        shown = (shown + [("video", video) for video in view.videos])[:3]
         if shown:
             box_w = (pictures_width - pad * (len(shown) - 1)) // len(shown)
             x = pad
-            for data in shown:
-                thumb = _thumbnail(data, (box_w, SHEET_ROW - 2 * pad))
+            for kind, item in shown:
+                box = (box_w, SHEET_ROW - 2 * pad)
+                thumb = _thumbnail(item, box) if kind == "image" else _video_thumbnail(item, box)
                 if thumb is None:
-                    draw.text((x, top + pad), "(unreadable image)", fill="#c44e52", font=font)
+                    draw.text((x, top + pad), f"(unreadable {kind})", fill="#c44e52", font=font)
                 else:
                     y = top + (SHEET_ROW - thumb.height) // 2
                     sheet.paste(thumb, (x + (box_w - thumb.width) // 2, y))
@@ -118,10 +144,12 @@ def contact_sheet(views: Sequence[SampleView], path: str) -> tuple[int, int]:
         else:
             draw.text((pad, top + pad), "(text only)", fill="#888888", font=font)
         title = f"{view.key}  ({view.shard})  {len(view.images)} image(s)"
+        if view.videos:
+            title += f", {len(view.videos)} video(s)"
         if view.tokens:
             title += f", {view.tokens['total']} tokens"
-        if len(view.images) > len(shown):
-            title += f", {len(view.images) - len(shown)} not shown"
+        if len(view.images) + len(view.videos) > len(shown):
+            title += f", {len(view.images) + len(view.videos) - len(shown)} not shown"
         lines = [(title, bold, "black")]
         if view.problem:
             lines.append((f"PROBLEM: {view.problem}", font, "#c44e52"))

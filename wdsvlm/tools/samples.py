@@ -7,13 +7,14 @@ import itertools
 import logging
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..families.tiling import ImageConfig, tile_count, tile_grid
 from ..format.images import image_members
+from ..format.videos import VideoInfo, video_members
 from ..pipeline.stats import SkipStats
 
 log = logging.getLogger("wdsvlm.inspect")
@@ -68,6 +69,35 @@ def pick_entries(
 
 
 @dataclass
+class VideoView:
+    """One video of a stored sample: its bytes, what the index records of it, the frames the
+    processor samples (``sampled``, with ``tokens``) or, with no processor, a few evenly
+    spaced ones."""
+
+    data: bytes
+    info: VideoInfo
+    frames: list[int]
+    sampled: bool
+    tokens: int | None = None
+    problem: str | None = None  # why the processor cannot sample it
+
+    def describe(self) -> str:
+        i = self.info
+        text = (
+            f"{i.width}x{i.height} px, {i.frames} frames at {i.fps:.4g} fps "
+            f"({i.duration:.2f} s), {i.codec}"
+        )
+        if i.rotation:
+            text += f", shown turned {i.rotation} degrees"
+        shown = ", ".join(map(str, self.frames[:12])) + (", ..." if len(self.frames) > 12 else "")
+        if self.problem:
+            return text + f"; PROBLEM: the processor cannot sample it ({self.problem})"
+        if self.sampled:
+            return text + f"; {len(self.frames)} frames sampled ({shown}), {self.tokens} tokens"
+        return text + f"; frames {shown} shown (pass --processor for the frames sampled)"
+
+
+@dataclass
 class SampleView:
     """One stored sample as ``inspect`` shows it."""
 
@@ -81,6 +111,7 @@ class SampleView:
     turn_tokens: list[int] | None = None  # text tokens of each turn's content
     tokens: dict[str, int] | None = None  # whole sample: total, image, text, supervised
     problem: str | None = None  # why the loader would skip it (invalid JSON, ...)
+    videos: list[VideoView] = field(default_factory=list)
 
     def describe(self, max_chars: int = 400) -> str:
         lines = [f"{self.key}  ({self.shard})"]
@@ -90,7 +121,8 @@ class SampleView:
             how = f"{grid[0]}x{grid[1]} + thumbnail" if tiles > 1 else "one tile"
             noun = "tile" if tiles == 1 else "tiles"
             lines.append(f"  image {i}: {size[0]}x{size[1]} px, {tiles} {noun} ({how})")
-        if not self.images:
+        lines += [f"  video {i}: {video.describe()}" for i, video in enumerate(self.videos)]
+        if not self.images and not self.videos:
             lines.append("  no images")
         for i, m in enumerate(self.messages):
             text = m["content"]
@@ -103,7 +135,8 @@ class SampleView:
         if self.tokens:
             t = self.tokens
             lines.append(
-                f"  tokens: {t['total']} ({t['image']} image, {t['text']} text, "
+                f"  tokens: {t['total']} ({t['image']} {'vision' if self.videos else 'image'}, "
+                f"{t['text']} text, "
                 f"{t['supervised']} supervised)"
             )
         return "\n".join(lines)
@@ -118,10 +151,12 @@ def inspect_samples(
     image_config: ImageConfig | None = None,
     tokens_per_tile: int = 64,
     storage_options: Mapping[str, Any] | None = None,
+    processor: Any = None,
 ) -> list[SampleView]:
     """The first ``n`` samples of ``source`` (or those with ``keys``), read by their index
-    offsets; with a ``tokenizer``, their token counts as the loader would make them. A sample
-    the loader would skip is shown with its ``problem``."""
+    offsets; with a ``tokenizer`` or a ``processor``, their token counts as the loader would
+    make them (with a processor, the frames it samples of each video). A sample the loader
+    would skip is shown with its ``problem``."""
     from ..pipeline.read import ReadSamples
     from ..pipeline.sources import resolve_sources
 
@@ -155,13 +190,41 @@ def inspect_samples(
     if stats.counts:
         log.warning("could not read every sample: %s", stats.as_dict(examples=3))
     tokenize = None
-    if tokenizer is not None:
+    if processor is not None:
+        from ..families.registry import family_of
+        from ..pipeline.tokenize import Tokenize
+
+        tokenize = Tokenize(family=family_of(processor), stats=stats)
+    elif tokenizer is not None:
         from ..pipeline.tokenize import Tokenize
 
         tokenize = Tokenize(
             tokenizer, tokens_per_tile=tokens_per_tile, image_config=config, stats=stats
         )
     return [_view(sample, config, tokenize) for sample in samples]
+
+
+SHOWN_FRAMES = 4  # frames of a video shown when no processor says which it samples
+
+
+def _videos(sample: dict, tokenize) -> list[VideoView]:
+    planner = getattr(tokenize.family, "video", None) if tokenize is not None else None
+    out = []
+    metas = sample["__meta__"].get("videos", ())
+    for name, meta in zip(video_members(sample), metas, strict=True):
+        info = VideoInfo.from_dict(meta)
+        count = min(SHOWN_FRAMES, info.frames)
+        spaced = [int(i) for i in np.linspace(0, info.frames - 1, count).round()]
+        if planner is None:
+            out.append(VideoView(sample[name], info, spaced, False))
+            continue
+        try:
+            frames = [int(i) for i in planner.frames(info)]
+        except ValueError as e:  # e.g. fewer frames than the processor's num_frames
+            out.append(VideoView(sample[name], info, spaced, False, problem=str(e)))
+            continue
+        out.append(VideoView(sample[name], info, frames, True, len(planner.token_ids(info))))
+    return out
 
 
 def _view(sample: dict, config: ImageConfig, tokenize) -> SampleView:
@@ -176,6 +239,7 @@ def _view(sample: dict, config: ImageConfig, tokenize) -> SampleView:
         sizes=sizes,
         tiles=[tile_count(w, h, config) for w, h in sizes],
         grids=[tile_grid(w, h, config) for w, h in sizes],
+        videos=_videos(sample, tokenize),
     )
     try:
         view.messages = [
@@ -194,7 +258,7 @@ def _view(sample: dict, config: ImageConfig, tokenize) -> SampleView:
     before = dict(tokenize.stats.counts)
     encoded = tokenize.encode([dict(sample)])
     if encoded:
-        kinds = token_kinds(encoded[0], tokenize.image_token_id)
+        kinds = token_kinds(encoded[0], tokenize.image_token_id, tokenize.video_token_id)
         view.tokens = {
             "total": len(kinds),
             "image": int((kinds == IMAGE).sum()),
@@ -207,11 +271,14 @@ def _view(sample: dict, config: ImageConfig, tokenize) -> SampleView:
     return view
 
 
-def token_kinds(sample: dict, image_token_id: int) -> np.ndarray:
-    """Each token of a tokenized sample as ``TEXT``, ``IMAGE`` or ``SUPERVISED`` (uint8)."""
+def token_kinds(sample: dict, image_token_id: int, video_token_id: int | None = None) -> np.ndarray:
+    """Each token of a tokenized sample as ``TEXT``, ``IMAGE`` (an image's or a video's) or
+    ``SUPERVISED`` (uint8)."""
     from ..pipeline.tokenize import IGNORE_INDEX
 
     kinds = np.full(len(sample["input_ids"]), TEXT, dtype=np.uint8)
     kinds[sample["input_ids"] == image_token_id] = IMAGE
+    if video_token_id is not None:
+        kinds[sample["input_ids"] == video_token_id] = IMAGE
     kinds[sample["labels"] != IGNORE_INDEX] = SUPERVISED
     return kinds

@@ -1,19 +1,24 @@
 """The writer's input: JSON, JSON Lines and Parquet files of LLaVA, Cauldron or ``messages``
 records, made into one form.
 
-Every record becomes a plain dict ``{"where", "id", "source", "messages", "images"}`` where
-``messages`` is a conversation as ``format.conversation`` keeps it (``<image>`` markers in
-place) and ``images`` the image paths or URLs, resolved against the image root, in order
-(images embedded in Parquet: ``parquet.Embedded`` references, their bytes under ``data``).
+Every record becomes a plain dict ``{"where", "id", "source", "messages", "images",
+"videos"}`` where ``messages`` is a conversation as ``format.conversation`` keeps it
+(``<image>`` and ``<video>`` markers in place) and ``images`` and ``videos`` the paths or URLs
+of its files, resolved against the image root, in order (images and videos embedded in
+Parquet: ``parquet.Embedded`` references, the images' bytes under ``data``). A record's videos
+are its ``video`` (one, or a list) or else its ``videos``, as LLaVA-Video writes them; a video
+given as a list of image files is its frames (``Frames``), at the record's ``fps``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -32,6 +37,19 @@ from .parquet import Embedded, is_parquet, iter_parquet
 log = logging.getLogger("wdsvlm.inputs")
 
 FORMATS = ("auto", *RECORD_FORMATS)
+FRAME_FILES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+@dataclass(frozen=True)
+class Frames:
+    """A video given as its frames: their image files (resolved), in order, and its frame
+    rate."""
+
+    files: tuple[str, ...]
+    fps: float
+
+    def __str__(self) -> str:
+        return f"the {len(self.files)} frames from {self.files[0]}" if self.files else "no frames"
 
 
 def expand_inputs(inputs: list[str], storage_options=None) -> list[str]:
@@ -144,19 +162,21 @@ def _normalize(
         where = f"{where} (id {record_id!r})"
     messages = parse_messages(raw, fmt, where)
     images = _images_of(raw)
+    videos = _videos_of(raw, where)
     source = raw.get("source")
     if not source and fmt == "cauldron":
         texts = raw.get("texts") or [{}]
         source = texts[0].get("source") if isinstance(texts[0], dict) else None
     source = source or raw.get("data_source") or _default_source(name, origin)
     check_turns(messages, where)
-    place_images(messages, len(images), where)
+    place_images(messages, len(images), where, n_videos=len(videos))
     record = {
         "where": where,
         "id": record_id,
         "source": str(source),
         "messages": messages,
         "images": [_resolve(p, image_root, where) if not _embedded(p) else None for p in images],
+        "videos": [_video(v, k, image_root, where, origin, raw) for k, v in enumerate(videos)],
     }
     if any(_embedded(p) for p in images):
         if origin is None:
@@ -197,17 +217,83 @@ def _images_of(raw: Mapping) -> list:
     return _as_list(raw.get(_image_column(raw)))
 
 
+def _video_column(raw: Mapping) -> str:
+    return "video" if raw.get("video") is not None else "videos"
+
+
+def _videos_of(raw: Mapping, where: str) -> list:
+    """The record's videos: its ``video`` (one, or a list) or else its ``videos``; a list of
+    image files is one video's frames (a list of such lists, several videos), each with its
+    frame rate from the record's ``fps`` (one for all, or a list, one per video)."""
+    videos = _as_list(raw.get(_video_column(raw)))
+    if videos and all(_frame_file(v) for v in videos):
+        videos = [videos]  # "video": ["f000.jpg", ...]: one video, its frames
+    elif any(_frame_file(v) for v in videos):
+        raise InputError(
+            where,
+            "bad_record",
+            "its videos mix image files (frames) and video files: a list of frames must "
+            "name image files only",
+        )
+    framed = [v for v in videos if isinstance(v, list)]
+    if not framed:
+        return videos
+    rates = raw.get("fps")
+    rates = rates if isinstance(rates, list) else [rates] * len(videos)
+    if len(rates) != len(videos):
+        raise InputError(
+            where, "bad_record", f"{len(rates)} frame rates (fps) for {len(videos)} videos"
+        )
+    out = []
+    for n, (video, fps) in enumerate(zip(videos, rates, strict=True)):
+        if not isinstance(video, list):
+            out.append(video)
+            continue
+        if not video or not all(_frame_file(f) for f in video):
+            raise InputError(
+                where, "bad_record", f"video {n}: a list of frames must name image files only"
+            )
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < math.inf:
+            raise InputError(
+                where,
+                "bad_record",
+                f"video {n} is given as {len(video)} frames: its frame rate is needed "
+                f"(the record's fps, a positive number, not {fps!r})",
+            )
+        out.append(Frames(tuple(video), float(fps)))
+    return out
+
+
+def _frame_file(value: Any) -> bool:
+    """Whether ``value`` names an image file (a URL's query left aside)."""
+    return isinstance(value, str) and value.split("?", 1)[0].lower().endswith(FRAME_FILES)
+
+
+def _video(video: Any, k: int, root: str, where: str, origin: tuple | None, raw: Mapping) -> Any:
+    """A video's reference: its file or URL resolved, its frames' files resolved, or where
+    a Parquet row embeds its bytes."""
+    if isinstance(video, Frames):
+        files = tuple(_resolve(f, root, where, "frame") for f in video.files)
+        return Frames(files, video.fps)
+    if _embedded(video):
+        if origin is None:
+            raise InputError(where, "bad_record", "video bytes can be embedded only in Parquet")
+        column = _video_column(raw)
+        return Embedded(*origin, column, k if isinstance(raw.get(column), list) else None)
+    return _resolve(video, root, where, "video")
+
+
 def _as_list(value: Any) -> list:
     if value is None:
         return []
     return value if isinstance(value, list) else [value]
 
 
-def _resolve(image: Any, image_root: str, where: str) -> str:
+def _resolve(image: Any, image_root: str, where: str, kind: str = "image") -> str:
     if isinstance(image, Mapping):  # a {bytes, path} struct with no bytes: its path
         image = image.get("path")
     if not isinstance(image, str) or not image:
-        raise InputError(where, "bad_record", f"image entry {image!r} is not a path")
+        raise InputError(where, "bad_record", f"{kind} entry {image!r} is not a path")
     if "://" in image or os.path.isabs(image):
         return image
     return join(image_root, image)

@@ -1,8 +1,10 @@
 """The writer's shards: a record checked into a sample, samples cut into shards, a shard
 written.
 
-Checking reads a record's images and keeps only what planning needs (the JSON bytes, and per
-image its reference, format and stored size), never the image bytes. The cut is a pure
+Checking reads a record's images and videos and keeps only what planning needs (the JSON
+bytes, and per file its reference, what the index records of it and its stored size), never
+their bytes. A sample's images and videos are its members ``0.jpg``, ``1.mp4``, ... numbered
+in the order of their markers in the conversation. The cut is a pure
 function of the samples' sizes, so any number of workers gives the same shards; a shard's
 images are read again when it is written, and a tar member's bytes are known before it is.
 """
@@ -16,10 +18,20 @@ from typing import Any
 
 from ..errors import InputError, StorageError
 from ..format.builder import publish_sidecar, sample_entry
+from ..format.conversation import media_order
 from ..format.images import UnreadableImage, probe_image, stored_bytes
 from ..format.index import sample_key, shard_name
 from ..format.tarball import HashingTarWriter, member_bytes, tar_bytes
+from ..format.videos import (
+    VIDEO_EXTENSIONS,
+    UnreadableVideo,
+    frames_info,
+    frames_meta,
+    frames_video,
+    probe_video,
+)
 from ..storage.fs import join, publish_file, read_bytes, staging_file
+from .inputs import Frames
 from .parquet import Embedded
 
 
@@ -37,13 +49,10 @@ def check_record(
     images = []
     embedded = record.get("data") or [None] * len(record["images"])
     for path, data in zip(record["images"], embedded, strict=True):
-        try:
-            if data is None:
-                data = read_bytes(path, storage_options)
-        except FileNotFoundError:
-            return InputError(where, "missing_image", f"{_image_name(path)} not found")
-        except (OSError, StorageError) as e:
-            return InputError(where, "unreadable_image", f"{_image_name(path)} cannot be read: {e}")
+        if data is None:
+            data = _read(path, where, "image", storage_options)
+            if isinstance(data, InputError):
+                return data
         try:
             info = probe_image(data)
         except UnreadableImage as e:
@@ -52,6 +61,12 @@ def check_record(
             )
         size = len(stored_bytes(data, info)) if info.reencoded else len(data)
         images.append((path, info, size))
+    videos = []
+    for video in record.get("videos", []):  # a file or URL, Frames, or embedded in Parquet
+        checked = _check_video(video, where, storage_options)
+        if isinstance(checked, InputError):
+            return checked
+        videos.append(checked)
     doc = {"id": record["id"], "source": record["source"], "messages": record["messages"]}
     text = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     return {
@@ -59,15 +74,88 @@ def check_record(
         "json": text,
         "source": record["source"],
         "images": images,
+        "videos": videos,
+        "media": media_order(record["messages"]),
         "chars": [len(m["content"]) for m in record["messages"]],
     }
 
 
+def _check_video(video: Any, where: str, storage_options) -> tuple | InputError:
+    """``(reference, what the index records, stored size)`` of a record's video, or why it
+    cannot be written."""
+    if isinstance(video, Frames):
+        sizes, size, codecs = [], member_bytes(len(frames_meta(video.fps))), set()
+        for n, path in enumerate(video.files):
+            data = _read(path, where, "image", storage_options)
+            if isinstance(data, InputError):
+                reason = data.reason.replace("_image", "_video")
+                return InputError(where, reason, f"frame {n} of {video}: {data.message}")
+            try:
+                image = probe_image(data)
+            except UnreadableImage as e:
+                return InputError(
+                    where, "unreadable_video", f"frame {n} of {video} is not a decodable image: {e}"
+                )
+            sizes.append((image.width, image.height))
+            codecs.add(image.ext)
+            size += member_bytes(len(stored_bytes(data, image)) if image.reencoded else len(data))
+        try:
+            info = frames_info(sizes, video.fps, "+".join(sorted(codecs)))
+        except UnreadableVideo as e:
+            return InputError(where, "unreadable_video", f"{video}: {e}")
+        return video, info, tar_bytes(size)
+    data = _read(video, where, "video", storage_options)
+    if isinstance(data, InputError):
+        return data
+    try:
+        info = probe_video(data, _video_ext(video))
+    except UnreadableVideo as e:
+        return InputError(
+            where, "unreadable_video", f"{_video_name(video)} is not a decodable video: {e}"
+        )
+    return video, info, len(data)
+
+
+def video_bytes(video: Any, storage_options=None) -> bytes:
+    """The bytes the shard holds for a video: its file's, or a tar of its frames' files."""
+    if isinstance(video, Frames):
+        files = []
+        for path in video.files:
+            data = read_bytes(path, storage_options)
+            image = probe_image(data)
+            files.append((stored_bytes(data, image), image.ext))
+        return frames_video(files, video.fps)
+    return image_bytes(video, storage_options)
+
+
+def _read(path: Any, where: str, kind: str, storage_options) -> bytes | InputError:
+    """The bytes of a record's image or video file, or why they cannot be read."""
+    name = _image_name(path) if kind == "image" else _video_name(path)
+    try:
+        return image_bytes(path, storage_options)
+    except FileNotFoundError:
+        return InputError(where, f"missing_{kind}", f"{name} not found")
+    except (OSError, StorageError) as e:
+        return InputError(where, f"unreadable_{kind}", f"{name} cannot be read: {e}")
+
+
+def _video_ext(video: Any) -> str | None:
+    """The member extension of a video file: its own, lower case (None where it has none
+    wdsvlm knows, or it is embedded: the container's)."""
+    if isinstance(video, Embedded):
+        return None
+    ext = os.path.splitext(str(video))[1].lstrip(".").lower()
+    return ext if ext in VIDEO_EXTENSIONS else None
+
+
+def _video_name(video: Any) -> str:
+    return f"video {video}" if isinstance(video, Embedded) else f"video file {video}"
+
+
 def sample_tar_bytes(sample: dict) -> int:
     """Bytes a sample takes in a tar: a header and the padded data per member."""
-    return member_bytes(len(sample["json"])) + sum(
-        member_bytes(size) for _, _, size in sample["images"]
-    )
+    files = [*sample["images"], *sample.get("videos", [])]
+    return member_bytes(len(sample["json"])) + sum(member_bytes(size) for _, _, size in files)
 
 
 def plan_shards(
@@ -124,15 +212,20 @@ def _write_sample(tar: HashingTarWriter, key: str, sample: dict, storage_options
     """Append one sample's members; return its index entry."""
     start = tar.offset
     tar.member(f"{key}.json", sample["json"])
-    for n, (path, info, size) in enumerate(sample["images"]):
-        data = stored_bytes(image_bytes(path, storage_options), info)
+    files = {"image": iter(sample["images"]), "video": iter(sample.get("videos", []))}
+    for n, kind in enumerate(sample.get("media") or ["image"] * len(sample["images"])):
+        path, info, size = next(files[kind])
+        if kind == "image":
+            data = stored_bytes(image_bytes(path, storage_options), info)
+        else:
+            data = video_bytes(path, storage_options)
         if len(data) != size:
-            raise InputError(
-                sample["where"], "changed_image", f"{_image_name(path)} changed while writing"
-            )
+            name = _image_name(path) if kind == "image" else _video_name(path)
+            raise InputError(sample["where"], f"changed_{kind}", f"{name} changed while writing")
         tar.member(f"{key}.{n}.{info.ext}", data)
     sizes = [(info.width, info.height) for _, info, _ in sample["images"]]
-    return sample_entry(key, start, tar.offset - start, sizes, sample["chars"])
+    videos = [info.as_dict() for _, info, _ in sample.get("videos", [])]
+    return sample_entry(key, start, tar.offset - start, sizes, sample["chars"], videos)
 
 
 def _image_name(image: str | Embedded) -> str:

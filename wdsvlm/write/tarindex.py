@@ -185,6 +185,6 @@ def _scan_and_publish(job: tuple[str, str], layout: Layout, output: str, options
     entries = scanned["entries"]
     totals = Totals()
     for e in entries:
-        totals.add(len(e["images"]), e["chars"], layout.name)
+        totals.add(len(e["images"]), e["chars"], layout.name, len(e.get("videos", [])))
     shard = publish_sidecar(output, name, entries, scanned["bytes"], scanned["sha256"], options)
     return shard, totals, scanned["bad"]

@@ -224,7 +224,7 @@ def _write_shards(run: Engine, checked: Iterator, output: str, opts: WriteOption
             n_good += 1
             if bad and not opts.skip_bad:
                 continue  # refused at the end; checked only
-            totals.add(len(item["images"]), item["chars"], item["source"])
+            totals.add(len(item["images"]), item["chars"], item["source"], len(item["videos"]))
             yield item
 
     in_flight: list = []
