@@ -5,7 +5,7 @@
 
 For each dataset (synthetic version-2 indexes, no image data: only the order is computed), the
 samples of global workers 0 and 1 of ``--workers`` in pass 0 are put through the Loader's own
-``Plan`` and ``Shuffle`` (its default settings; chunks of two sizes), as metadata: each
+``Plan`` and ``Shuffle`` (three settings, below), as metadata: each
 sample carries its index entry's size, so the buffer's byte bound applies as it would to the
 real bytes. Two measures of each worker's order, against a uniform shuffle of the same samples:
 
@@ -16,11 +16,13 @@ real bytes. Two measures of each worker's order, against a uniform shuffle of th
 
 and the ranged reads a worker makes per 1000 samples (the plan's spans).
 
-Side by side in one run: chunks of 8 MiB (``span_bytes`` before 2026-12-01) and of the
-default ``span_bytes``. The datasets: shards of about 256 MB, as ``wdsvlm write`` cuts them,
-of COCO-sized photos (170 KB, as in ``bench_pipeline.py``'s coco mix), of large photos (1.2 MB,
-its web mix) and of small images (60 KB); the 60 MB shards of ``bench_scale.py``; and text-only
-samples (2 KB, 5,000 a shard).
+Side by side in one run: chunks of 8 MiB (``span_bytes`` before 2026-12-01) and a buffer of
+1000 samples; chunks of 1 MiB and the same buffer (before 2026-12-03); and the defaults now
+(chunks of 1 MiB and at most ``span_samples``, the buffer sized by the data's mean sample). The
+datasets: shards of about 256 MB, as ``wdsvlm write`` cuts them, of COCO-sized photos (170 KB,
+as in ``bench_pipeline.py``'s coco mix), of large photos (1.2 MB, its web mix) and of small
+images (60 KB); the 60 MB shards of ``bench_scale.py``; text-only samples (2 KB, 5,000 a shard;
+and 1 KB, 100 a shard); and text with images (20 KB on average, 100 a shard).
 
 Then what smaller chunks cost in reading: ``ReadSamples`` alone over the coco mix of
 ``bench_pipeline.py`` (600 samples, made once under ``--bench-data``), served over HTTP on
@@ -51,8 +53,16 @@ DATASETS = [
     ("small images (60 KB)", 4300, 60_000, 250),
     ("bench_scale.py (60 KB, 60 MB)", 1000, 60_000, 1000),
     ("text only (2 KB, 10 MB)", 5000, 2_000, 200),
+    ("text only (1 KB, 100 a shard)", 100, 1_000, 1000),
+    ("text and images (20 KB, 100)", 100, 20_000, 1000),
 ]
 OLD_SPAN = 8 * 2**20
+# (label, span_bytes, span_samples, shuffle_buffer): None for the defaults now
+SETTINGS = [
+    ("8 MiB", OLD_SPAN, None, 1000),
+    ("1 MiB", None, None, 1000),
+    ("now", None, "default", None),
+]
 
 
 class Payload:
@@ -62,17 +72,25 @@ class Payload:
         self.nbytes = nbytes
 
 
-def shuffled_shards(folder: str, worker: int, workers: int, span_bytes: int) -> tuple:
+def shuffled_shards(folder: str, worker: int, workers: int, setting: tuple) -> tuple:
     """The shards of global worker ``worker``'s samples of pass 0, in the order they leave
-    the Loader's shuffle buffer with its default settings and chunks of ``span_bytes``; and
-    the ranged reads they took."""
+    the Loader's shuffle buffer with ``setting`` (see ``SETTINGS``), else its defaults; the
+    ranged reads they took; and the buffer's size."""
+    from wdsvlm.loader.build import shuffle_buffer
     from wdsvlm.loader.settings import LoaderSettings
     from wdsvlm.pipeline.plan import Plan, WorkerConfig
     from wdsvlm.pipeline.shuffle import Shuffle
 
+    _, span_bytes, span_samples, buffer = setting
     defaults = LoaderSettings()
-    config = WorkerConfig(0, 1, workers)
-    plan = Plan(folder, seed=defaults.seed, worker_config=config, span_bytes=span_bytes)
+    plan = Plan(
+        folder,
+        seed=defaults.seed,
+        worker_config=WorkerConfig(0, 1, workers),
+        span_bytes=span_bytes or defaults.span_bytes,
+        span_samples=defaults.span_samples if span_samples == "default" else span_samples,
+    )
+    buffer = buffer or shuffle_buffer(plan, defaults)
 
     reads = 0
 
@@ -89,8 +107,8 @@ def shuffled_shards(folder: str, worker: int, workers: int, span_bytes: int) -> 
                     "payload": Payload(entry["size"]),
                 }
 
-    shuffle = Shuffle(defaults.shuffle_buffer, defaults.shuffle_bytes, defaults.seed)
-    return [s["__shard__"] for s in shuffle(samples())], reads
+    shuffle = Shuffle(buffer, defaults.shuffle_bytes, defaults.seed)
+    return [s["__shard__"] for s in shuffle(samples())], reads, buffer
 
 
 def neighbours(order: list) -> float:
@@ -108,16 +126,17 @@ def window_pairs(order: list, window: int) -> float:
     return same / max(1, pairs)
 
 
-def measure(folder: str, workers: int, window: int, span_bytes: int) -> list:
-    """Ranged reads per 1000 samples, and both measures for the shuffle buffer's order and
-    for a uniform shuffle of the same samples; averaged over global workers 0 and 1."""
+def measure(folder: str, workers: int, window: int, setting: tuple) -> list:
+    """The buffer's size, ranged reads per 1000 samples, and both measures for the shuffle
+    buffer's order and for a uniform shuffle of the same samples; averaged over global
+    workers 0 and 1."""
     rows = []
     for worker in (0, 1):
-        order, reads = shuffled_shards(folder, worker, workers, span_bytes)
+        order, reads, buffer = shuffled_shards(folder, worker, workers, setting)
         uniform = list(order)
         random.Random(worker).shuffle(uniform)
         measures = [f(o) for o in (order, uniform) for f in (neighbours, pairs(window))]
-        rows.append([1000 * reads / len(order), *measures])
+        rows.append([buffer, 1000 * reads / len(order), *measures])
     return [sum(column) / len(rows) for column in zip(*rows, strict=True)]
 
 
@@ -165,30 +184,25 @@ def reading(bench_data: str, latency: float, span_bytes: int, read_ahead: int) -
         )
 
 
-def mixing(out: str, workers: int, window: int, span_bytes: int) -> None:
+def mixing(out: str, workers: int, window: int) -> None:
     """The mixing part: see the module's docstring."""
-    from wdsvlm.loader.settings import LoaderSettings
-
-    defaults = LoaderSettings()
     print(
-        f"Global workers 0 and 1 of {workers}, pass 0; shuffle buffer "
-        f"{defaults.shuffle_buffer} samples, {defaults.shuffle_bytes >> 20} MiB. Share of "
-        f"samples from the same shard: of neighbours, and of pairs in windows of {window}:"
+        f"Global workers 0 and 1 of {workers}, pass 0. Share of samples from the same shard: "
+        f"of neighbours, and of pairs in windows of {window}:"
     )
     print(
-        f"{'dataset':<30} {'chunk':>8} {'samples/chunk':>14} {'reads/1000':>11} "
-        f"{'neighbours':>11} {'window pairs':>13} {'uniform: neighbours':>20} {'window pairs':>13}"
+        f"{'dataset':<30} {'settings':>8} {'buffer':>7} {'reads/1000':>11} {'neighbours':>11} "
+        f"{'window pairs':>13} {'uniform: neighbours':>20} {'window pairs':>13}"
     )
     for name, per_shard, sample_bytes, shards in DATASETS:
         folder = bench_scale.make(out, per_shard * shards, per_shard, sample_bytes)
-        for span in (OLD_SPAN, span_bytes):
-            found = measure(folder, workers, window, span)
-            per_chunk = max(1, span // sample_bytes)
+        for setting in SETTINGS:
+            found = measure(folder, workers, window, setting)
             widths = (11, 13, 20, 13)
-            cells = f"{found[0]:>11.0f} " + " ".join(
-                f"{v:>{w}.4f}" for v, w in zip(found[1:], widths, strict=True)
+            cells = f"{found[0]:>7.0f} {found[1]:>11.0f} " + " ".join(
+                f"{v:>{w}.4f}" for v, w in zip(found[2:], widths, strict=True)
             )
-            print(f"{name:<30} {f'{span >> 10} KiB':>8} {per_chunk:>14} {cells}")
+            print(f"{name:<30} {setting[0]:>8} {cells}", flush=True)
             name = ""
 
 
@@ -205,7 +219,7 @@ def main() -> None:
 
     defaults = LoaderSettings()
     if args.only != "reading":
-        mixing(args.out, args.workers, args.window, defaults.span_bytes)
+        mixing(args.out, args.workers, args.window)
     if args.only != "mixing":
         reading(args.bench_data, args.latency, defaults.span_bytes, defaults.read_ahead)
 

@@ -144,6 +144,7 @@ def streaming(samples, length, max_tiles, window):
         packs += packer.push(i, t, k)
     packs += packer.drain()
     seconds = time.perf_counter() - start
+    streaming.stats = packer.stats  # the last run's, for the budget advice
     return 1 - packer.stats.fill, seconds / len(samples), packs
 
 
@@ -253,6 +254,25 @@ def pipeline_seconds_per_sample() -> float:
     return (time.perf_counter() - start) / n
 
 
+def print_advice(runs, max_units: int, window: int, unit: str) -> None:
+    """What the Loader logs at the end of an epoch, and ``wdsvlm stats`` prints, where the
+    vision budget binds (the Loader's estimate; the budget ``stats`` measures by packing)."""
+    from wdsvlm.pipeline.packer import budget_advice
+    from wdsvlm.tools.dataset_stats import unbound_budget
+
+    print(f"\nvision budget advice at {max_units} {unit} a pack:")
+    for length, kept, stats in runs:
+        figures = stats.as_dict()
+        logged = budget_advice(figures, length, max_units, unit)
+        if logged is None:
+            print(f"{length:>10}  none (the budget does not bind)")
+            continue
+        measured = unbound_budget(kept, length, max_units, window, stats)
+        print(f"{length:>10}  the Loader logs: {logged}")
+        measured = budget_advice(figures, length, max_units, unit, measured)
+        print(f"{'':>10}  wdsvlm stats: {measured}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=20000)
@@ -277,7 +297,7 @@ def main() -> None:
         f"{'max_length':>10} {'kept':>6} {'naive':>7} {'fixed':>7} {'greedy':>7} {'bfd':>7} "
         f"{'wdsvlm':>7} {'wdsvlm-bfd':>10} {'pack us/sample':>15} {'of pipeline':>11}"
     )
-    cvs = []
+    cvs, advice = [], []
     if args.family:
         print(f"family {args.family}: vision budget {max_units} units a pack\n")
     for length in lengths:
@@ -292,6 +312,7 @@ def main() -> None:
             )
         )
         bfd = best_fit_decreasing(kept, length, max_units)
+        advice.append((length, kept, streaming.stats))
         print(
             f"{length:>10} {len(kept) / len(mix):6.1%} {naive(kept, length):7.2%} "
             f"{fixed(kept, length):7.2%} {greedy(kept, length, max_units):7.2%} "
@@ -304,6 +325,7 @@ def main() -> None:
         print(f"{length:>10} {balanced:9.3f} {in_order:14.3f}")
     if not args.family:
         print_pass_end(args.window, args.seed)
+    print_advice(advice, max_units, args.window, "patches" if args.family else "tiles")
     print(f"\npipeline stages on shards_example: {per_sample * 1e3:.1f} ms per sample")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -267,6 +268,7 @@ OTHER_VALUES = {
     "shuffle_buffer": 10,
     "shuffle_bytes": 2**20,
     "span_bytes": 100_000,
+    "span_samples": 2,
     "tile_size": 64,
     "max_image_side": 512,
     "upscale": True,
@@ -336,6 +338,29 @@ def test_a_state_of_before_span_bytes_was_recorded_resumes_with_the_8_mib_of_the
     state = loader.state_dict()
     del state["config"]["span_bytes"]  # as an older wdsvlm saved it
     with pytest.raises(ValueError, match=r"other settings: span_bytes 8388608 -> 1048576"):
+        wdsvlm.Loader(EXAMPLE, TOKENIZER, **base).load_state_dict(state)
+    resumed = wdsvlm.Loader(EXAMPLE, TOKENIZER, **then)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(0)
+    assert [digest(b) for b in resumed] == batches[1:]
+
+
+def test_a_state_of_before_chunks_were_capped_is_refused_where_the_cap_changes_the_order():
+    """The example's samples (10 KB) fill 77 to a chunk without the cap of 32, and the
+    default buffer holds 5136 of them: a state saved by a release without either default is
+    refused naming both, and resumes exactly with the values of then."""
+    from .test_ddp import digest
+
+    base = {"max_length": 1024, "batch_size": 2, "batches_per_epoch": 6, **SMALL}
+    then = {**base, "shuffle_buffer": 1000, "span_samples": None}
+    batches = [digest(b) for b in wdsvlm.Loader(EXAMPLE, TOKENIZER, **then)]
+    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, **then)
+    next(iter(loader))
+    state = loader.state_dict()
+    del state["config"]["span_samples"]  # as an older wdsvlm saved it
+    with pytest.raises(
+        ValueError, match=r"other settings: shuffle_buffer 1000 -> 5136, span_samples None -> 32"
+    ):
         wdsvlm.Loader(EXAMPLE, TOKENIZER, **base).load_state_dict(state)
     resumed = wdsvlm.Loader(EXAMPLE, TOKENIZER, **then)
     resumed.load_state_dict(state)
@@ -512,3 +537,29 @@ def test_an_abandoned_iteration_collected_later_leaves_the_running_one_alone(wor
     alone = wdsvlm.Loader(EXAMPLE, TOKENIZER, **settings)
     alone.set_epoch(1)
     assert [b["sample_keys"] for b in got] == [b["sample_keys"] for b in alone]
+
+
+def test_a_vision_budget_that_binds_is_logged_once_an_epoch_with_what_it_costs(caplog):
+    """Eight tiles a row of 2048 tokens holds a few of the example's samples: the budget ends
+    most packs, and rank 0 says so at the end of each epoch; without a budget it says
+    nothing."""
+    import logging
+
+    options = {"max_length": 2048, "batch_size": 2, "batches_per_epoch": 4, "pack_window": 20}
+    options.update(SMALL)  # a window of 20: each epoch packs its own (500 holds the pass)
+    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, max_tiles_per_pack=8, **options)
+    with caplog.at_level(logging.WARNING, logger="wdsvlm.loader"):
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            batches = list(loader)
+            assert loader.stats()["vision_bound"] > len(batches)  # most of 8 packs
+    said = [r.getMessage() for r in caplog.records if "vision budget binds" in r.getMessage()]
+    assert [m.split(":")[0] for m in said] == ["epoch 0", "epoch 1"]
+    assert "ended at max_tiles_per_pack=8 tiles with under 90% of max_length=2048" in said[0]
+    assert re.search(r"about max_tiles_per_pack=\d+ would not bind", said[0])
+    caplog.clear()
+    unbounded = wdsvlm.Loader(EXAMPLE, TOKENIZER, **options)
+    with caplog.at_level(logging.WARNING, logger="wdsvlm.loader"):
+        list(unbounded)
+    assert unbounded.stats()["vision_bound"] == 0
+    assert not [r for r in caplog.records if "vision budget" in r.getMessage()]

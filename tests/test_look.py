@@ -183,6 +183,22 @@ def test_stats_counts_drops_and_padding(tmp_path, naive_lengths):
     assert png_size(found["pictures"][2]) == BATCH_PICTURE_SIZE
 
 
+def test_stats_with_a_processor_says_where_the_vision_budget_binds_and_what_does_not():
+    """256 patches a row of 2048 tokens: most packs end on the budget. stats says so, with a
+    budget it measured; run again with that budget, it finds what it said and no advice."""
+    common = ["--processor", "tiny:qwen2_5_vl", "--max-length", "2048", "-q"]
+    run = wdsvlm("stats", EXAMPLE, *common, "--max-tiles-per-pack", "256")
+    line = next(x for x in run.stdout.splitlines() if x.startswith("vision budget"))
+    assert re.search(r"\d+ of \d+ packs \(\d+%\) ended at max_tiles_per_pack=256 patches", line)
+    said = re.search(r"max_tiles_per_pack=(\d+) does not bind \(padding ([\d.]+)%\)", line)
+    budget, padding = said.group(1), float(said.group(2))
+    found = json.loads(
+        wdsvlm("stats", EXAMPLE, *common, "--max-tiles-per-pack", budget, "--json").stdout
+    )
+    assert "advice" not in found
+    assert round(100 * found["padding"]["packed"], 1) == padding
+
+
 def test_stats_table_and_progress_bar(tmp_path):
     run = wdsvlm(
         "stats", EXAMPLE, "--tokenizer", TOKENIZER, "--max-length", "2048", "--limit", "50",

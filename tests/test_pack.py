@@ -225,3 +225,27 @@ def test_a_drain_by_best_fit_leaves_no_long_sample_stranded():
     assert len(one_by_one) == 6
     assert len(packs) == 5
     assert sorted(i for pack in packs for i in pack) == list(range(len(samples)))
+
+
+def test_packs_the_vision_budget_ends_are_counted_and_advised_on():
+    """Samples of 100 tokens and 4 tiles under 1000 tokens and 8 tiles a row: two to a pack
+    where ten would fit, so every pack is the vision budget's, and the advice says so with
+    the padding and a budget that would let the tokens bind."""
+    from wdsvlm.pipeline.packer import budget_advice
+
+    packs, stats = run([(100, 4)] * 40, 1000, 8, 10)
+    assert [len(p) for p in packs] == [2] * 20
+    assert stats.vision_bound == 20 and stats.vision_bound_room == 20 * 800
+    advice = budget_advice(stats.as_dict(), 1000, 8, "tiles")
+    assert "20 of 20 packs (100%) ended at max_tiles_per_pack=8 tiles" in advice
+    assert "leaving 80.0% of the rows' tokens empty (padding 80.0% in all)" in advice
+    assert "about max_tiles_per_pack=56 would not bind" in advice  # 1.25 x 1000 x 4/100
+    measured = budget_advice(stats.as_dict(), 1000, 8, "tiles", (48, 0.0))
+    assert measured.endswith("max_tiles_per_pack=48 does not bind (padding 0.0%)")
+    # the tokens bind: no advice
+    packs, stats = run([(100, 0)] * 40, 1000, 8, 10)
+    assert stats.vision_bound == 0 and budget_advice(stats.as_dict(), 1000, 8, "tiles") is None
+    # packs that are full enough are not the budget's, however many tiles wait
+    packs, stats = run([(450, 4)] * 40, 1000, 8, 10)
+    assert stats.vision_bound == 0
+    assert budget_advice(stats.as_dict(), 1000, None, "tiles") is None  # no budget at all

@@ -33,13 +33,14 @@ def source(index, name="d", copies=1, extra=0):
     return DataSource(name, index, urls, copies=copies, extra=extra)
 
 
-def plan_of(sources, world=1, workers=0, rank=0, seed=5, span_bytes=4000):
+def plan_of(sources, world=1, workers=0, rank=0, seed=5, span_bytes=4000, span_samples=32):
     return Plan.of_sources(
         sources,
         mixture=len(sources) > 1,
         seed=seed,
         worker_config=WorkerConfig(rank, world, workers),
         span_bytes=span_bytes,
+        span_samples=span_samples,
     )
 
 
@@ -118,7 +119,7 @@ def test_spans_are_ranged_reads_of_one_chunk():
 
 def test_a_visit_is_one_ranged_read_in_its_shuffled_order_and_a_sparse_part_is_cut():
     index = fake_index([80], sample_bytes=200_000)  # photos: chunks of 40, 8 MB
-    plan = plan_of([source(index)], span_bytes=8_000_000)
+    plan = plan_of([source(index)], span_bytes=8_000_000, span_samples=None)
     spans = list(plan.spans(0, 0))
     assert [len(sp["entries"]) for sp in spans] == [40, 40]
     assert all(sp["stop"] - sp["start"] == 8_000_000 for sp in spans)
@@ -132,33 +133,67 @@ def test_a_visit_is_one_ranged_read_in_its_shuffled_order_and_a_sparse_part_is_c
     assert [len(sp["entries"]) for sp in parts] == [1, 1]
 
 
-def test_after_the_default_shuffle_buffer_few_samples_of_a_batch_share_a_shard():
+@pytest.mark.parametrize(
+    "shards, per_shard, sample_bytes, workers, buffer",
+    [
+        (300, 400, 120_000, 2, 1000),  # photos (chunks of 8 MiB gave 3.5%)
+        (1000, 100, 64_000, 8, 1000),  # small images
+        (1000, 100, 1_000, 8, 8192),  # text only, 100 a shard (5.1% before chunks were capped)
+        (1000, 100, 20_000, 8, 3000),  # text and images (2.7% before)
+    ],
+)
+def test_after_the_default_shuffle_buffer_few_samples_of_a_batch_share_a_shard(
+    shards, per_shard, sample_bytes, workers, buffer
+):
     """A worker's samples leave the Loader's default shuffle buffer mixed: under 1% of
-    neighbours, and of the pairs in a batch-sized window, from one shard (300 shards of 400
-    photos of 120 kB: 0.65% and 0.68%; chunks of 8 MiB gave 3.5% and 3.5%)."""
+    neighbours, and of the pairs in a batch-sized window, from one shard, for photos, small
+    images, text only and a mix. The buffer grows only for samples under 60 KB."""
+    from wdsvlm.loader.build import shuffle_buffer
     from wdsvlm.loader.settings import LoaderSettings
     from wdsvlm.pipeline.shuffle import Shuffle
 
     defaults = LoaderSettings()
-    index = fake_index([400] * 300, sample_bytes=120_000)
+    index = fake_index([per_shard] * shards, sample_bytes=sample_bytes)
     plan = Plan.of_sources(
         [source(index)],
         seed=defaults.seed,
-        worker_config=WorkerConfig(0, 1, 2),
+        worker_config=WorkerConfig(0, 1, workers),
         span_bytes=defaults.span_bytes,
+        span_samples=defaults.span_samples,
     )
+    assert shuffle_buffer(plan, defaults) == buffer
     samples = (
         {"__shard__": sp["shard"], "__pass__": 0, "__pos__": p, "__worker__": 0}
         for sp in plan.spans(0, 0)
         for p in sp["positions"]
     )
-    shuffle = Shuffle(defaults.shuffle_buffer, defaults.shuffle_bytes, defaults.seed)
+    shuffle = Shuffle(buffer, defaults.shuffle_bytes, defaults.seed)
     order = [s["__shard__"] for s in shuffle(samples)]
-    assert len(order) == 60_000
+    assert len(order) == shards * per_shard // workers
     neighbours = sum(a == b for a, b in zip(order, order[1:], strict=False)) / (len(order) - 1)
     windows = [Counter(order[i : i + 64]) for i in range(0, len(order) - 63, 64)]
     pairs = sum(n * (n - 1) for w in windows for n in w.values()) / (len(windows) * 64 * 63)
     assert neighbours < 0.01 and pairs < 0.01, (neighbours, pairs)
+
+
+def test_chunks_hold_at_most_span_samples_and_image_sized_samples_keep_theirs():
+    """Text-sized samples are cut into chunks of at most ``span_samples``; samples of 60 KB and
+    more fill fewer than that into ``span_bytes``, so their reads are the same with the cap
+    as without it."""
+    from wdsvlm.pipeline.order import caps_chunks
+
+    text = [source(fake_index([100] * 20, sample_bytes=1_000))]
+    spans = list(plan_of(text, span_bytes=2**20).spans(0, 0))
+    assert max(len(sp["entries"]) for sp in spans) == 32
+    assert len(spans) == 20 * 4  # 32 + 32 + 32 + 4 a shard
+    assert caps_chunks(text, 2**20, 32) and not caps_chunks(text, 2**20, None)
+    uncapped = Plan.of_sources(text, seed=5, span_bytes=2**20, span_samples=None)
+    assert [len(sp["entries"]) for sp in uncapped.spans(0, 0)] == [100] * 20
+    images = [source(fake_index([500] * 4, sample_bytes=60_000))]
+    assert not caps_chunks(images, 2**20, 32)
+    capped = [sp["entries"] for sp in plan_of(images, span_bytes=2**20).spans(0, 0)]
+    as_before = Plan.of_sources(images, seed=5, span_bytes=2**20, span_samples=None)
+    assert capped == [sp["entries"] for sp in as_before.spans(0, 0)]
 
 
 def test_repeat_and_choose_give_exact_counts_per_pass_and_rotate_the_extra_copies():

@@ -13,6 +13,7 @@ from ..families.base import Family
 from ..families.registry import family_of
 from ..families.tiling import ImageConfig, TilingFamily
 from ..pipeline.collate import Collate
+from ..pipeline.order import caps_chunks
 from ..pipeline.pack import BalanceBatches, Pack
 from ..pipeline.plan import Plan, WorkerConfig
 from ..pipeline.read import ReadSamples
@@ -77,6 +78,7 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         seed=settings.seed,
         worker_config=worker_config,
         span_bytes=settings.span_bytes,
+        span_samples=settings.span_samples,
         storage_options=settings.storage_options,
         read_policy=settings.read_policy,
         samples_per_pass=settings.samples_per_pass,
@@ -117,7 +119,7 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
             if settings.cache_dir
             else None,
         ),
-        Shuffle(settings.shuffle_buffer, settings.shuffle_bytes, settings.seed),
+        Shuffle(shuffle_buffer(plan, settings), settings.shuffle_bytes, settings.seed),
         tokenize,
         pack,
         BalanceBatches(settings.batch_size),
@@ -135,6 +137,11 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
     config = resume_config(
         settings,
         max_tiles_per_pack=settings.tiles_per_pack,
+        shuffle_buffer=shuffle_buffer(plan, settings),
+        # None where it leaves every chunk as it was: a state saved before the cap resumes
+        span_samples=settings.span_samples
+        if caps_chunks(plan.sources, settings.span_bytes, settings.span_samples)
+        else None,
         image_token=tokenize.image_token,
         chat_template=tokenize.chat_template,
         dataset=dataset_id(plan),
@@ -145,6 +152,26 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
     return LoaderParts(
         family, worker_config, plan, tokenize, stream, options, pad_token_id, batches, config
     )
+
+
+# The shuffle buffer by default: 1000 samples, or as many as the bytes of 1000 samples of 60 KB
+# hold of smaller ones (text), up to SHUFFLE_MOST.
+SHUFFLE_SAMPLES, SHUFFLE_TARGET_BYTES, SHUFFLE_MOST = 1000, 1000 * 60_000, 8192
+
+
+def shuffle_buffer(plan: Plan, settings: LoaderSettings) -> int:
+    """``shuffle_buffer``, else its default for the plan's data: a buffer of 1000 samples holds
+    about ``1000 / m`` chunks of ``m`` samples, and about ``m / 2000`` of the consecutive
+    samples leaving it come from one chunk; small samples make many to a chunk, so the buffer
+    holds more of them, within the bytes that 1000 samples of 60 KB take."""
+    if settings.shuffle_buffer is not None:
+        return settings.shuffle_buffer
+    total = sum(
+        s.per_pass * sum(h.get("bytes") or 0 for h in s.index["shards"]) / max(1, s.size)
+        for s in plan.sources
+    )
+    mean = total / max(1, plan.num_samples)
+    return int(max(SHUFFLE_SAMPLES, min(SHUFFLE_MOST, SHUFFLE_TARGET_BYTES // max(1, mean))))
 
 
 def has_videos(plan: Plan) -> bool:

@@ -22,7 +22,7 @@ from .. import compat
 from ..errors import WdsvlmError
 from .build import build
 from .placement import RayWorkers
-from .report import Yielded, epoch_stats
+from .report import Yielded, epoch_advice, epoch_stats
 from .resume import resume_point, topology_of
 from .settings import settings_from, signature_with_settings
 from .state import LoaderState, WorkerState
@@ -235,6 +235,10 @@ class Loader:
             raise
         if self._done != total:
             raise WdsvlmError(f"epoch {self._epoch} ended after {self._done} of {total} batches")
+        budgets = self.settings.max_length, self.settings.tiles_per_pack, self.family.unit_name
+        advice = epoch_advice(self._worker_stats, *budgets)
+        if advice and self.worker_config.rank == 0:
+            log.warning("epoch %d: %s", self._epoch, advice)
         # each worker's stream stands at its end, and plays the slot it will play next epoch
         self._reusable = whole and not self._on_ray
         self._batches = self._iteration = None

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..pipeline.pack import tiles_cv
+from ..pipeline.packer import budget_advice
 from ..pipeline.stats import SkipStats
 
 
@@ -33,13 +34,14 @@ def epoch_stats(yielded: Yielded, reports: Mapping[int, dict], max_length: int) 
     drops, truncations and skipped samples (counts, and up to 10 ``"SHARD/KEY"`` per reason
     and worker)."""
     skips = SkipStats()
-    truncated = batches = tiles = squares = 0
+    truncated = batches = tiles = squares = vision_bound = 0
     dropped: dict = {}
     dropped_examples: dict = {}
     for report in reports.values():
         skips.merge(report["skips"])
         packing = report["packing"]
         truncated += packing["truncated"]
+        vision_bound += packing.get("vision_bound", 0)
         full_batches, batch_tiles, batch_squares = report["batch_tiles"]
         batches += full_batches
         tiles += batch_tiles
@@ -58,8 +60,18 @@ def epoch_stats(yielded: Yielded, reports: Mapping[int, dict], max_length: int) 
         "tiles_per_pack": yielded.tiles / packs if packs else 0.0,
         "tiles_per_batch_cv": tiles_cv(batches, tiles, squares),
         "truncated": truncated,
+        "vision_bound": vision_bound,
         "dropped": dropped,
         "dropped_examples": dropped_examples,
         "skipped": dict(skips.counts),
         "skipped_examples": {k: list(v) for k, v in skips.examples.items()},
     }
+
+
+def epoch_advice(
+    reports: Mapping[int, dict], max_length: int, max_units: int | None, unit: str
+) -> str | None:
+    """``packer.budget_advice`` for all workers' packs of the epoch together."""
+    names = ("packs", "tokens", "tiles", "vision_bound", "vision_bound_room")
+    packing = {n: sum(r["packing"].get(n, 0) for r in reports.values()) for n in names}
+    return budget_advice(packing, max_length, max_units, unit)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..pipeline.order import SPAN_BYTES
+from ..pipeline.order import SPAN_BYTES, SPAN_SAMPLES
 from ..storage.fs import ReadPolicy
 from .placement import LOCAL, check_workers
 from .workers import check_context
@@ -47,13 +47,17 @@ class LoaderSettings:
     ``wdsvlm.RayWorkers(...)`` (Ray actors); the same batches either way."""
     seed: int = _shapes(0)
     """Seeds the order of every pass and the shuffle buffer."""
-    shuffle_buffer: int = _shapes(1000)
-    """Samples in the shuffle buffer."""
+    shuffle_buffer: int | None = _shapes(None)
+    """Samples in the shuffle buffer; None: 1000, more for small samples (text), as many as
+    the bytes of 1000 samples of 60 KB hold of the data's mean sample, up to 8192."""
     shuffle_bytes: int = _shapes(256 * 2**20)
     """Bytes the shuffle buffer may hold."""
     span_bytes: int = _shapes(SPAN_BYTES)
     """Bytes of neighbouring samples of a shard read with one ranged read (a chunk of the
     pass's order): smaller mixes better, larger makes fewer requests."""
+    span_samples: int | None = _shapes(SPAN_SAMPLES)
+    """The most samples a chunk holds (None: as many as ``span_bytes`` holds): small samples,
+    such as text, then come from many shards, at a few more requests."""
     tile_size: int = _shapes(512)
     """Side of an image tile, in pixels."""
     max_image_side: int = _shapes(1024)
@@ -126,7 +130,6 @@ class LoaderSettings:
         positive = [
             "max_length",
             "batch_size",
-            "shuffle_buffer",
             "shuffle_bytes",
             "span_bytes",
             "tile_size",
@@ -138,6 +141,8 @@ class LoaderSettings:
         ]
         at_least_zero = ["num_workers", "read_ahead"]
         optional_positive = [
+            "shuffle_buffer",
+            "span_samples",
             "max_tiles_per_pack",
             "max_tiles_per_batch",
             "batches_per_epoch",
@@ -253,7 +258,7 @@ def resume_config(settings: LoaderSettings, **effective: Any) -> dict[str, Any]:
 
 # The value a state saved before the setting was recorded was made with: it is checked as
 # that (the places of such a state name other samples under another chunk size).
-_BEFORE_RECORDED = {"span_bytes": 8 * 2**20}
+_BEFORE_RECORDED = {"span_bytes": 8 * 2**20, "span_samples": None}
 
 
 def check_resume(saved: Mapping[str, Any], here: Mapping[str, Any]) -> None:

@@ -25,6 +25,11 @@ SPAN_BYTES = 2**20
 """The default chunk size: about this many bytes of neighbouring samples of a shard are read
 with one ranged read (8 MiB before 2026-12-01). Small, for mixing (see ``plan.py``)."""
 
+SPAN_SAMPLES = 32
+"""The default for the most samples a chunk holds. Without it, small samples (text) fill a chunk
+of ``SPAN_BYTES`` by the hundred: a worker's samples would then come from few shards, and a
+shuffle buffer of a thousand samples would hold few chunks (see ``plan.py``)."""
+
 
 def seeded_rng(*parts: Any) -> np.random.Generator:
     """A generator seeded from ``parts`` (the loader's seed, a pass, a place, ...: any
@@ -106,8 +111,15 @@ class PassOrder:
     the visit is read (``entries_of``).
     """
 
-    def __init__(self, sources: Sequence[DataSource], seed: int, pass_: int, span_bytes: int):
-        columns = _unshuffled_visits(sources, seed, pass_, span_bytes)
+    def __init__(
+        self,
+        sources: Sequence[DataSource],
+        seed: int,
+        pass_: int,
+        span_bytes: int,
+        span_samples: int | None = None,
+    ):
+        columns = _unshuffled_visits(sources, seed, pass_, span_bytes, span_samples)
         order = seeded_rng("wdsvlm-pass", seed, pass_).permutation(len(columns[0]))
         for i in range(4):  # a column at a time, so that few copies are held at once
             columns[i] = columns[i][order]
@@ -143,14 +155,14 @@ class PassOrder:
 
 
 def _unshuffled_visits(
-    sources: Sequence[DataSource], seed: int, pass_: int, span_bytes: int
+    sources: Sequence[DataSource], seed: int, pass_: int, span_bytes: int, span_samples
 ) -> list:
     """The pass's visits before they are shuffled, as four int32 columns: source, shard, first
     entry and stop. int32, since a shard's entries and a source's shards stay far below 2**31,
     and a pass of 100M samples in 1 MiB chunks is about 6M visits."""
     parts = []  # (source, shard, first entry, stop) arrays
     for number, source in enumerate(sources):
-        shard, first, stop = _chunks(source, span_bytes)
+        shard, first, stop = _chunks(source, span_bytes, span_samples)
         for _ in range(source.copies):
             parts.append((np.full(len(shard), number, np.int32), shard, first, stop))
         if source.extra:
@@ -163,16 +175,36 @@ def _unshuffled_visits(
     return [np.concatenate([p[i] for p in parts]).astype(np.int32) for i in range(4)]
 
 
-def _chunks(source: DataSource, span_bytes: int):
-    """``(shard, first entry, stop)`` of each chunk of the source, in shard order: runs of
-    neighbouring samples of about ``span_bytes``, from each shard's sample count and bytes."""
+def chunk_samples(source: DataSource, span_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per shard of the source: its samples, and how many of them make about ``span_bytes``
+    (from the shard's sample count and bytes; at least 1)."""
     shards = source.index["shards"]
     samples = np.fromiter((s["samples"] for s in shards), dtype=np.int64, count=len(shards))
     nbytes = np.fromiter((s.get("bytes") or 1 for s in shards), dtype=np.int64, count=len(shards))
-    per_chunk = np.maximum(1, span_bytes * samples // np.maximum(1, nbytes))
+    return samples, np.maximum(1, span_bytes * samples // np.maximum(1, nbytes))
+
+
+def caps_chunks(sources: Sequence[DataSource], span_bytes: int, span_samples: int | None) -> bool:
+    """Whether ``span_samples`` makes any chunk of the sources smaller than ``span_bytes``
+    alone would (whether it changes the order of their passes)."""
+    if span_samples is None:
+        return False
+    for source in sources:
+        samples, per_chunk = chunk_samples(source, span_bytes)
+        if len(samples) and int(np.minimum(per_chunk, samples).max()) > span_samples:
+            return True
+    return False
+
+
+def _chunks(source: DataSource, span_bytes: int, span_samples: int | None = None):
+    """``(shard, first entry, stop)`` of each chunk of the source, in shard order: runs of
+    neighbouring samples of about ``span_bytes`` and at most ``span_samples`` samples."""
+    samples, per_chunk = chunk_samples(source, span_bytes)
+    if span_samples is not None:
+        per_chunk = np.minimum(per_chunk, span_samples)
     per_chunk = np.minimum(per_chunk, np.maximum(1, samples))  # the same chunks, in int32
     counts = -(-samples // per_chunk)
-    shard = np.repeat(np.arange(len(shards), dtype=np.int32), counts)
+    shard = np.repeat(np.arange(len(samples), dtype=np.int32), counts)
     first = np.arange(len(shard), dtype=np.int32)
     first -= np.repeat((np.cumsum(counts) - counts).astype(np.int32), counts)  # in its shard
     first *= per_chunk.astype(np.int32)[shard]

@@ -42,6 +42,48 @@ _PARTNER_SLACK = 0.005
 # before filling greedily.
 _TILE_RETRIES = 8
 
+# A pack under this share of max_length that the vision budget ended counts as bound by it;
+# when more than BOUND_SHARE of an epoch's packs are, the budget is worth raising.
+FULL, BOUND_SHARE = 0.9, 0.25
+
+
+def budget_advice(
+    packing: dict, max_length: int, max_units: int | None, unit: str, measured: tuple = ()
+) -> str | None:
+    """What to tell a user whose vision budget ends more than ``BOUND_SHARE`` of the packs
+    while their tokens are under ``FULL`` of ``max_length`` (None otherwise): the share, the
+    padding it costs, and a budget that would not bind: ``measured`` ``(budget, padding)``
+    where it was packed with, else estimated from the packs' units per token (a quarter above
+    their mean at a full row). ``packing``: ``PackStats.as_dict`` figures (summed over
+    workers)."""
+    packs, bound = packing["packs"], packing["vision_bound"]
+    if max_units is None or not packs or bound <= BOUND_SHARE * packs:
+        return None
+    capacity = packs * max_length
+    padding = 1 - packing["tokens"] / capacity
+    if measured:
+        better = f"max_tiles_per_pack={measured[0]} does not bind (padding {measured[1]:.1%})"
+    else:
+        suggested = suggest_budget(packing["tokens"], packing["tiles"], max_length, max_units)
+        better = (
+            f"about max_tiles_per_pack={suggested} would not bind (`wdsvlm stats` with "
+            "--max-tiles-per-pack measures it before training)"
+        )
+    return (
+        f"the vision budget binds: {bound} of {packs} packs ({bound / packs:.0%}) ended at "
+        f"max_tiles_per_pack={max_units} {unit} with under {FULL:.0%} of max_length="
+        f"{max_length} tokens, leaving {packing['vision_bound_room'] / capacity:.1%} of the "
+        f"rows' tokens empty (padding {padding:.1%} in all); {better}"
+    )
+
+
+def suggest_budget(tokens: int, units: int, max_length: int, max_units: int) -> int:
+    """A vision budget a quarter above the units of a full row at the packs' mean units per
+    token, in steps of 1024 (of 8 below 1024), and above ``max_units``."""
+    wanted = 1.25 * max_length * units / max(1, tokens)
+    step = 1024 if wanted >= 1024 else 8
+    return max(int(-(-wanted // step) * step), max_units + step)
+
 
 def best_fill(
     tokens: Sequence[int], tiles: Sequence[int], token_room: int, tile_room: int
@@ -126,6 +168,11 @@ class PackStats:
     tiles: int = 0
     capacity: int = 0
     truncated: int = 0
+    vision_bound: int = 0
+    """Packs the vision budget ended: under ``FULL`` of ``max_length`` tokens, while a sample
+    left waiting would have fitted their token room but not their vision room."""
+    vision_bound_room: int = 0
+    """The tokens those packs left empty."""
     dropped: Counter = field(default_factory=Counter)
     dropped_examples: dict = field(default_factory=dict)
     """The first ``keep_examples`` ``"SHARD/KEY"`` dropped per reason."""
@@ -153,7 +200,7 @@ class PackStats:
     def reset(self) -> None:
         """Count afresh (a new epoch)."""
         self.packs = self.samples = self.tokens = self.tiles = self.capacity = 0
-        self.truncated = 0
+        self.truncated = self.vision_bound = self.vision_bound_room = 0
         self.dropped.clear()
         self.dropped_examples.clear()
 
@@ -166,6 +213,10 @@ class PackStats:
             "samples_per_pack": self.samples / self.packs if self.packs else 0.0,
             "tiles_per_pack": self.tiles / self.packs if self.packs else 0.0,
             "truncated": self.truncated,
+            "tokens": self.tokens,
+            "tiles": self.tiles,
+            "vision_bound": self.vision_bound,
+            "vision_bound_room": self.vision_bound_room,
             "dropped": dict(self.dropped),
             "dropped_examples": {k: v[:examples] for k, v in self.dropped_examples.items()},
         }
@@ -287,12 +338,22 @@ class Packer:
 
     def _take(self, waiting: list[tuple], chosen: list[int]) -> list:
         """The items at ``chosen`` of ``waiting`` as one emitted pack, counted."""
+        stats = self.stats
+        tokens = sum(waiting[i][1] for i in chosen)
+        tiles = sum(waiting[i][2] for i in chosen)
         self.emitted += 1
-        self.stats.packs += 1
-        self.stats.samples += len(chosen)
-        self.stats.tokens += sum(waiting[i][1] for i in chosen)
-        self.stats.tiles += sum(waiting[i][2] for i in chosen)
-        self.stats.capacity += self.max_length
+        stats.packs += 1
+        stats.samples += len(chosen)
+        stats.tokens += tokens
+        stats.tiles += tiles
+        stats.capacity += self.max_length
+        if tokens < FULL * self.max_length:
+            room, tile_room, taken = self.max_length - tokens, self.max_tiles - tiles, set(chosen)
+            if any(
+                w[1] <= room and w[2] > tile_room for i, w in enumerate(waiting) if i not in taken
+            ):
+                stats.vision_bound += 1
+                stats.vision_bound_room += room
         return [waiting[i][0] for i in chosen]
 
 

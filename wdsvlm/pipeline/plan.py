@@ -10,13 +10,16 @@ shard count works with any worker count, and a sample's place ``[pass, place]`` 
 sample on any topology: that is what lets a checkpoint resume on another one.
 
 The order is built from chunks: runs of neighbouring samples of a shard of about
-``span_bytes`` (from the shard's sample count and bytes), visited in seeded random order, the
-samples of each visit in seeded random order. A worker reads each visit with one ranged
-read (a few, where it takes only a sparse part of it), several at once (``ReadSamples``).
+``span_bytes`` (from the shard's sample count and bytes) and at most ``span_samples``
+samples, visited in seeded random order, the samples of each visit in seeded random order.
+A worker reads each visit with one ranged read (a few, where it takes only a sparse part of
+it), several at once (``ReadSamples``).
 The chunk's size trades I/O for mixing: a shuffle buffer of ``B`` samples fed chunk by chunk
 holds about ``2 B / m`` chunks of ``m`` samples, so about ``m / 2B`` of a worker's consecutive
 samples come from one chunk whatever order the buffer draws in; ``SPAN_BYTES`` (1 MiB) keeps
 that under 1% for samples of 60 KB and more with the default buffer (docs/performance.md).
+Smaller samples would fill a chunk by the hundred: ``SPAN_SAMPLES`` caps a chunk at 32
+samples, and the Loader's default buffer holds more of them (``loader/build.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from torch.utils.data import IterableDataset
 
 from ..errors import ShardFormatError, StorageError
 from . import order
-from .order import SPAN_BYTES, PassOrder, joins, one_read
+from .order import SPAN_BYTES, SPAN_SAMPLES, PassOrder, joins, one_read
 from .sources import DataSource, resolve_sources
 
 log = logging.getLogger("wdsvlm.plan")
@@ -126,6 +129,7 @@ class Plan(IterableDataset):
         epoch: int = 0,
         worker_config: WorkerConfig | None = None,
         span_bytes: int = SPAN_BYTES,
+        span_samples: int | None = SPAN_SAMPLES,
         storage_options: Mapping[str, Any] | None = None,
         read_policy=None,
         samples_per_pass: int | None = None,
@@ -133,7 +137,7 @@ class Plan(IterableDataset):
         super().__init__()
         sources, mixture = resolve_sources(source, storage_options, read_policy, samples_per_pass)
         worker_config = worker_config or WorkerConfig.from_environment()
-        self._take(sources, mixture, seed, epoch, worker_config, span_bytes)
+        self._take(sources, mixture, seed, epoch, worker_config, span_bytes, span_samples)
         for s in self.sources:
             if s.size == 0:
                 raise ValueError(f"{s.index.get('source', s.name)}: the dataset has no samples")
@@ -150,17 +154,20 @@ class Plan(IterableDataset):
         epoch: int = 0,
         worker_config: WorkerConfig | None = None,
         span_bytes: int = SPAN_BYTES,
+        span_samples: int | None = SPAN_SAMPLES,
     ) -> Plan:
         """A plan over sources already resolved (indexes in memory)."""
         plan = cls.__new__(cls)
         IterableDataset.__init__(plan)
-        plan._take(sources, mixture, seed, epoch, worker_config or WorkerConfig(), span_bytes)
+        config = worker_config or WorkerConfig()
+        plan._take(sources, mixture, seed, epoch, config, span_bytes, span_samples)
         return plan
 
-    def _take(self, sources, mixture, seed, epoch, worker_config, span_bytes) -> None:
+    def _take(self, sources, mixture, seed, epoch, worker_config, span_bytes, span_samples):
         self.sources, self.mixture = list(sources), mixture
         self.index, self.urls = self.sources[0].index, self.sources[0].urls
         self.seed, self._epoch, self.span_bytes = seed, epoch, span_bytes
+        self.span_samples = span_samples
         self.worker_config = worker_config
         self._orders: OrderedDict[int, PassOrder] = OrderedDict()
 
@@ -197,7 +204,7 @@ class Plan(IterableDataset):
         """The global order of pass ``pass_`` (the last few are kept)."""
         order = self._orders.get(pass_)
         if order is None:
-            order = PassOrder(self.sources, self.seed, pass_, self.span_bytes)
+            order = PassOrder(self.sources, self.seed, pass_, self.span_bytes, self.span_samples)
             self._orders[pass_] = order
             while len(self._orders) > 3:
                 self._orders.popitem(last=False)

@@ -16,6 +16,7 @@ import numpy as np
 from ..families.tiling import ImageConfig
 from ..format.images import image_members
 from ..format.videos import video_members
+from ..pipeline.packer import Packer, budget_advice, suggest_budget
 from ..pipeline.stats import SkipStats
 from ..progress import progress
 from .samples import token_kinds
@@ -55,6 +56,9 @@ class DatasetStats:
     """Videos read, their vision units and their tokens (those in place of each video's
     marker, as ``inspect`` counts them), with a processor's family."""
     unit_name: str = "tiles"
+    advice: str | None = None
+    """Where the vision budget binds: how much it costs and a budget that does not bind
+    (``packer.budget_advice``, measured by packing the same samples)."""
 
     @property
     def samples(self) -> int:
@@ -84,6 +88,7 @@ class DatasetStats:
             "packs": self.packs,
             "samples_per_pack": self.samples_per_pack,
             **({"sources": self.per_source} if self.per_source else {}),
+            **({"advice": self.advice} if self.advice else {}),
         }
 
     def table(self) -> str:
@@ -139,6 +144,8 @@ class DatasetStats:
                     f"{n['tokens']} tokens",
                 )
             )
+        if self.advice:
+            rows.append(("vision budget", self.advice))
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -263,6 +270,12 @@ def dataset_stats(
                 per_source[s["__source__"]]["kept"] += 1
     bar.close()
     packs = packing.stats
+    advice = None
+    if budget_advice(packs.as_dict(), max_length, max_tiles_per_pack, "", ()):
+        fits = [(n, t) for n, t in zip(tokens, tiles, strict=True) if n <= max_length]
+        measured = unbound_budget(fits, max_length, max_tiles_per_pack, pack_window, packs)
+        unit = tokenize.family.unit_name
+        advice = budget_advice(packs.as_dict(), max_length, max_tiles_per_pack, unit, measured)
     dropped = {r: packs.dropped.get(r, 0) for r in PACK_REASONS}
     padding = {  # None when no sample fits
         "naive": naive_padding(fitting, batch_size, seed) if fitting else None,
@@ -286,4 +299,24 @@ def dataset_stats(
         per_source=per_source if plan.mixture else {},
         videos=videos,
         unit_name=tokenize.family.unit_name,
+        advice=advice,
     )
+
+
+def unbound_budget(
+    samples: list[tuple[int, int]], max_length: int, max_units: int, window: int, packs
+) -> tuple[int, float]:
+    """The smallest of the budgets tried (``suggest_budget``'s, then a quarter more each time)
+    that ends at most a twentieth of the packs of ``samples`` (``(tokens, units)``, in reading
+    order), and the padding it gives."""
+    budget = suggest_budget(packs.tokens, packs.tiles, max_length, max_units)
+    while True:
+        packer = Packer(max_length, budget, window)
+        for i, (n, t) in enumerate(samples):
+            packer.push(i, n, t)
+        for _ in packer.drain():
+            pass
+        found = packer.stats
+        if found.vision_bound <= found.packs / 20 or budget >= max_length * 64:
+            return budget, 1 - found.fill
+        budget = int(-(-budget * 1.25 // 1024) * 1024)
