@@ -58,7 +58,70 @@ def make_loader(family: str, workers: int, cls=RecordingLoader):
     return processor, loader
 
 
-def make_trainer(kind: str, model, loader, out: str, accumulation: int, steps: int):
+# the case evaluated every 2 steps during training, on a mixture of two shards (tests item:
+# evaluation leaves the training Loader, its checkpoints and the resume as they were)
+EVALUATED = "trainer-smolvlm"
+VALIDATION = [
+    wdsvlm.Source(os.path.join(DATA, "shapes-000003.tar"), name="c"),
+    wdsvlm.Source(os.path.join(DATA, "shapes-000004.tar"), name="d"),
+]
+
+
+class LoaderUntouched(transformers.TrainerCallback):
+    """Notes, at each evaluation, whether the training Loader's state is the one it had at
+    the end of the step before."""
+
+    def __init__(self, loader):
+        self.loader, self.before, self.same = loader, None, []
+
+    def state(self) -> str:
+        return json.dumps(self.loader.state_dict(), sort_keys=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.before = self.state()
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.same.append(self.state() == self.before)
+
+
+def eval_by_hand(model, processor) -> dict:
+    """The mean cross-entropy over every supervised token of the validation set, in all and
+    per source, from one Loader of this rank alone (rank 0 of 1: other packs than the
+    Trainer's two ranks make), summed here; and the mean of its per-batch means."""
+    loader = wdsvlm.Loader(
+        VALIDATION, processor=processor, max_length=2048, batch_size=3, evaluation=True,
+        rank=0, world_size=1,
+    )  # fmt: skip
+    sums, means = {}, []
+    with torch.no_grad():
+        for batch in loader:
+            inputs = wdsvlm.model_inputs(batch)
+            labels = inputs.pop("labels")[:, 1:]
+            losses = torch.nn.functional.cross_entropy(
+                model(**inputs).logits[:, :-1].float().transpose(1, 2), labels,
+                ignore_index=-100, reduction="none",
+            )  # fmt: skip
+            means.append(float(losses.sum() / (labels != -100).sum()))
+            positions = batch["position_ids"]
+            positions = positions[0] if positions.dim() == 3 else positions
+            for r, row in enumerate(batch["sample_sources"]):  # samples: positions restart
+                starts = (positions[r] == 0).nonzero().flatten().tolist()
+                ends = starts[1:] + [labels.shape[1] + 1]
+                for source, a, b in zip(row, starts, ends, strict=False):  # padding: not a row's
+                    part = labels[r, max(0, a - 1) : b - 1] != -100
+                    total = sums.setdefault(source, [0.0, 0])
+                    total[0] += float(losses[r, max(0, a - 1) : b - 1][part].sum())
+                    total[1] += int(part.sum())
+    loader.close()
+    everything = sum(v[0] for v in sums.values()) / sum(v[1] for v in sums.values())
+    return {
+        "loss": everything,
+        **{f"loss_{k}": v[0] / v[1] for k, v in sums.items()},
+        "mean_of_batch_means": sum(means) / len(means),
+    }
+
+
+def make_trainer(kind: str, model, loader, out: str, accumulation: int, steps: int, evaluate=None):
     settings = dict(
         output_dir=out,
         max_steps=steps,
@@ -71,6 +134,10 @@ def make_trainer(kind: str, model, loader, out: str, accumulation: int, steps: i
         disable_tqdm=True,
         seed=0,
     )
+    if kind == "trainer" and evaluate is not None:
+        settings.update(eval_strategy="steps", eval_steps=2)
+        args = transformers.TrainingArguments(**settings)
+        return wdsvlm.hf.Trainer(model=model, args=args, loader=loader, eval_dataset=evaluate)
     if kind == "trainer":
         args = transformers.TrainingArguments(**settings)
         return wdsvlm.hf.Trainer(model=model, args=args, loader=loader)
@@ -111,18 +178,34 @@ def run_case(name: str, out: str, resume_at: int | None = None) -> dict:
     torch.manual_seed(0)
     model = tiny_model(family, processor)
     report = {"accumulation": accumulation, "steps": steps}
+    evaluate = None
+    if name == EVALUATED:
+        evaluate = wdsvlm.Loader(
+            VALIDATION, processor=processor, max_length=1024, batch_size=2, evaluation=True
+        )
+    run = (kind, model, loader)
     if resume_at is None:
         report["by_hand"] = loss_by_hand(model, family, workers, accumulation)
-        trainer = make_trainer(kind, model, loader, f"{folder}/whole", accumulation, steps)
+        trainer = make_trainer(*run, f"{folder}/whole", accumulation, steps, evaluate)
+        untouched = LoaderUntouched(loader)
+        trainer.add_callback(untouched)
         trainer.train()
+        if evaluate is not None:
+            report["untouched"] = untouched.same
+            report["final_eval"] = trainer.evaluate()
+            report["eval_by_hand"] = eval_by_hand(model, processor)
     else:
         at = f"{folder}/from-{resume_at}"
-        trainer = make_trainer(kind, model, loader, at, accumulation, steps)
+        trainer = make_trainer(*run, at, accumulation, steps, evaluate)
         trainer.train(resume_from_checkpoint=f"{folder}/whole/checkpoint-{resume_at}")
-    report["losses"] = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    history = trainer.state.log_history
+    report["losses"] = {h["step"]: h["loss"] for h in history if "loss" in h}
+    report["evals"] = {h["step"]: h for h in history if "eval_loss" in h}
     report["keys"] = loader.taken
     report["epochs"] = trainer.state.epoch
     loader.close()
+    if evaluate is not None:
+        evaluate.close()
     return report
 
 

@@ -102,6 +102,33 @@ def test_the_loss_of_a_step_is_the_mean_over_every_supervised_token_of_both_rank
 
 
 @pytest.mark.processes
+@pytest.mark.timeout(900)
+def test_evaluation_is_the_mean_over_every_validation_token_and_leaves_training_as_it_was(runs):
+    """trainer-smolvlm evaluates a mixture of two shards every 2 steps (tests/hf_job.py): the
+    training Loader's state is the same before and after each evaluation, the run resumed
+    from step 3 evaluates to the same losses at steps 4 and 6, and evaluate() at the end
+    equals the loss summed over every supervised token of the validation set by hand (on
+    other packs), in all and per source, on both ranks."""
+    case = runs["trainer-smolvlm"]
+    for rank in (0, 1):
+        whole, resumed = case["whole"][rank], case[3][rank]
+        assert whole["untouched"] == [True, True, True, True]  # steps 2, 4, 6 and the end
+        assert sorted(whole["evals"], key=int) == ["2", "4", "6"]
+        for step in ("4", "6"):
+            assert math.isclose(
+                resumed["evals"][step]["eval_loss"], whole["evals"][step]["eval_loss"],
+                rel_tol=1e-6,
+            )  # fmt: skip
+        final, by_hand = whole["final_eval"], whole["eval_by_hand"]
+        for key in ("loss", "loss_c", "loss_d"):
+            assert math.isclose(final[f"eval_{key}"], by_hand[key], rel_tol=1e-5), key
+        assert set(whole["evals"]["2"]) >= {"eval_loss", "eval_loss_c", "eval_loss_d"}
+    assert (
+        case["whole"][0]["final_eval"]["eval_loss"] == case["whole"][1]["final_eval"]["eval_loss"]
+    )
+
+
+@pytest.mark.processes
 @pytest.mark.timeout(420)
 def test_the_accelerate_loop_trains_each_rank_on_its_own_batches(tmp_path):
     torchrun(tmp_path, "accelerate")

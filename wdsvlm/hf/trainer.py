@@ -9,6 +9,9 @@ What changes against the stock Trainer, and why:
 - loss: summed over the supervised tokens and divided by their count over every rank and every
   accumulated batch of the step (``num_items_in_batch``), for every model, also those that set
   ``accepts_loss_kwargs = False`` (Qwen2/2.5-VL), so it equals the mean over the step's tokens;
+- evaluation: an ``eval_dataset`` that is a Loader made with ``evaluation=True`` is evaluated
+  by ``evaluation.trainer_evaluate``: the loss over every supervised token of every rank, per
+  source of a mixture, the training Loader untouched;
 - checkpoints: every rank's Loader state is saved in each checkpoint folder and restored by
   ``train(resume_from_checkpoint=...)``; the Trainer then skips no batches (the Loader stands
   where the checkpoint left it) and the model's weights are read back under their current names.
@@ -26,7 +29,9 @@ import transformers.trainer as trainer_module
 
 from .. import compat
 from ..errors import WdsvlmError
+from ..loader.loader import Loader
 from .checkpoint import load_loader_states, load_weights, save_loader_state
+from .evaluation import trainer_evaluate
 from .feed import LoaderFeed, positioned_skip
 
 # transformers' private names used here (compat.TRAINER_METHODS among them), checked now: a
@@ -104,6 +109,19 @@ class LoaderTrainerMixin:
         if self.args.world_size > 1:
             count = self.accelerator.gather(count.reshape(1)).sum()
         return count
+
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """For an evaluation ``wdsvlm.Loader`` (given here or as ``eval_dataset=``):
+        ``{prefix}_loss`` over every supervised token of the pass on every rank, and per
+        source of a mixture (``evaluation.trainer_evaluate``); else the Trainer's own."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(dataset, str) and isinstance(self.eval_dataset, dict):
+            dataset = self.eval_dataset[dataset]  # one of several, by name (Trainer.evaluate)
+        if isinstance(dataset, Loader):
+            return trainer_evaluate(self, dataset, metric_key_prefix)
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         check_ranks(self)

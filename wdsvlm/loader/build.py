@@ -22,6 +22,7 @@ from ..pipeline.stats import SkipStats
 from ..pipeline.tokenize import Tokenize
 from ..pipeline.usermap import ImageMap, SampleMap, check_workers_get
 from ..storage.cache import ShardCache
+from .evaluation import evaluation_batches
 from .placement import LOCAL
 from .settings import LoaderSettings, resume_config
 from .sizing import estimate_batches
@@ -82,8 +83,9 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         storage_options=settings.storage_options,
         read_policy=settings.read_policy,
         samples_per_pass=settings.samples_per_pass,
+        evaluation=settings.evaluation,
     )
-    if plan.num_samples < worker_config.global_workers:
+    if plan.num_samples < worker_config.global_workers and not settings.evaluation:
         raise ValueError(
             f"{source}: {plan.num_samples} samples for {worker_config.global_workers} global "
             f"workers (world_size {worker_config.world_size} x num_workers "
@@ -164,6 +166,8 @@ def shuffle_buffer(plan: Plan, settings: LoaderSettings) -> int:
     about ``1000 / m`` chunks of ``m`` samples, and about ``m / 2000`` of the consecutive
     samples leaving it come from one chunk; small samples make many to a chunk, so the buffer
     holds more of them, within the bytes that 1000 samples of 60 KB take."""
+    if settings.evaluation:  # the indexes' order: a buffer of one hands each sample on
+        return 1
     if settings.shuffle_buffer is not None:
         return settings.shuffle_buffer
     total = sum(
@@ -227,6 +231,8 @@ def epoch_batches(
     workers, so that each gives the same number of batches an epoch and none falls behind the
     others epoch after epoch."""
     workers = config.workers_per_rank
+    if settings.evaluation:
+        return evaluation_batches(plan, tokenize, pack, settings, config)
     estimate = settings.batches_per_epoch or estimate_batches(
         plan, tokenize, pack, settings, config
     )

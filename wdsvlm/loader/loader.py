@@ -174,6 +174,8 @@ class Loader:
 
     def __iter__(self) -> Iterator[dict]:
         self._check_ranks()
+        if self.settings.evaluation:  # each iteration one whole pass: nothing carried
+            self._start_afresh(0)
         batches = self._epoch_batches()
         self._running = weakref.ref(batches)
         return batches

@@ -74,6 +74,10 @@ class LoaderSettings:
     """Samples in the packer's window."""
     truncate: bool = _shapes(False)
     """Cut a too-long sample after its last whole answer that fits, instead of dropping it."""
+    evaluation: bool = False
+    """An evaluation loader: every sample of every source once an iteration, in the indexes'
+    order, no shuffle, no carry-over, the same exact ``len()`` on every rank, the last
+    batches of a rank with fewer samples filled with empty rows (``loader/evaluation.py``)."""
     batches_per_epoch: int | None = None
     """``len(loader)``; None: estimated from the index. A resumed run keeps the saved one
     (an elastic resume onto another topology estimates it anew)."""
@@ -162,6 +166,13 @@ class LoaderSettings:
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
                 raise ValueError(f"{name} must be a function, not {type(fn).__name__}")
+        if self.evaluation not in (False, True):
+            raise ValueError(f"evaluation must be True or False, not {self.evaluation!r}")
+        if self.evaluation and self.batches_per_epoch is not None:
+            raise ValueError(
+                "batches_per_epoch is set with evaluation=True: an evaluation loader's length "
+                "is one whole pass, counted exactly"
+            )
         if self.map_errors not in ("skip", "raise"):
             raise ValueError(f'map_errors must be "skip" or "raise", not {self.map_errors!r}')
         if self.max_tiles_per_batch is not None and self.max_tiles_per_batch < self.batch_size:

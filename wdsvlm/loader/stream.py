@@ -200,7 +200,9 @@ class Stream(IterableDataset):
         live.balance.figures = [0, 0, 0]
         while live.left > 0:
             batch = next(live.batches, None)
-            if batch is None:  # the stream is endless: only a bug ends it
+            if batch is None and self.plan.evaluation:  # its pass is read: empty rows
+                batch = self.collate([])
+            elif batch is None:  # the stream is endless: only a bug ends it
                 raise WdsvlmError(f"the stream of slot {live.slot} ended")
             live.left -= 1
             live.read_since_batch, live.accepted_at = 0, live.pack.accepted
@@ -269,6 +271,8 @@ class Stream(IterableDataset):
         pass_ = read.next
         while True:  # pass after pass; every global worker has a share of each
             yield from self.plan.spans(pass_, global_worker)
+            if self.plan.evaluation:  # one pass
+                return
             pass_ += 1
 
     def _watched(self, samples: Iterator[dict], live: LiveStream) -> Iterator[dict]:

@@ -118,12 +118,15 @@ class PassOrder:
         pass_: int,
         span_bytes: int,
         span_samples: int | None = None,
+        ordered: bool = False,
     ):
         columns = _unshuffled_visits(sources, seed, pass_, span_bytes, span_samples)
-        order = seeded_rng("wdsvlm-pass", seed, pass_).permutation(len(columns[0]))
-        for i in range(4):  # a column at a time, so that few copies are held at once
-            columns[i] = columns[i][order]
-        del order
+        if not ordered:  # ordered: the sources, their shards and samples as the index lists
+            order = seeded_rng("wdsvlm-pass", seed, pass_).permutation(len(columns[0]))
+            for i in range(4):  # a column at a time, so that few copies are held at once
+                columns[i] = columns[i][order]
+            del order
+        self.ordered = ordered
         self.visit_source, self.visit_shard, self.first, self.stop = columns
         self.starts = np.zeros(len(self.first) + 1, dtype=np.int64)
         np.cumsum(self.stop - self.first, out=self.starts[1:])
@@ -139,9 +142,11 @@ class PassOrder:
         entries = self._visits.get(v)
         if entries is None:
             first, stop = int(self.first[v]), int(self.stop[v])
-            entries = first + seeded_rng("wdsvlm-visit", self._seed, self._pass, v).permutation(
-                stop - first
-            )
+            if self.ordered:
+                entries = np.arange(first, stop)
+            else:
+                rng = seeded_rng("wdsvlm-visit", self._seed, self._pass, v)
+                entries = first + rng.permutation(stop - first)
             self._visits[v] = entries
             while len(self._visits) > 8:
                 self._visits.popitem(last=False)

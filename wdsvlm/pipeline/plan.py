@@ -119,6 +119,9 @@ class Plan(IterableDataset):
     contiguous block ``worker_share(pass size, w, G)`` of it, in that order. A sample's place
     is ``[pass, place in the pass's order]``. Iterating (or calling) a ``Plan`` inside a
     DataLoader worker yields that worker's share of pass ``epoch``.
+
+    ``evaluation=True``: every sample of every source once a pass (``repeat``, ``choose`` and
+    ``weight`` set aside), in the order the indexes list them: sources, shards, samples.
     """
 
     def __init__(
@@ -133,11 +136,16 @@ class Plan(IterableDataset):
         storage_options: Mapping[str, Any] | None = None,
         read_policy=None,
         samples_per_pass: int | None = None,
+        evaluation: bool = False,
     ):
         super().__init__()
         sources, mixture = resolve_sources(source, storage_options, read_policy, samples_per_pass)
         worker_config = worker_config or WorkerConfig.from_environment()
+        if evaluation:  # every sample of every source once, as the indexes list them
+            for s in sources:
+                s.copies, s.extra = 1, 0
         self._take(sources, mixture, seed, epoch, worker_config, span_bytes, span_samples)
+        self.evaluation = evaluation
         for s in self.sources:
             if s.size == 0:
                 raise ValueError(f"{s.index.get('source', s.name)}: the dataset has no samples")
@@ -168,6 +176,7 @@ class Plan(IterableDataset):
         self.index, self.urls = self.sources[0].index, self.sources[0].urls
         self.seed, self._epoch, self.span_bytes = seed, epoch, span_bytes
         self.span_samples = span_samples
+        self.evaluation = False
         self.worker_config = worker_config
         self._orders: OrderedDict[int, PassOrder] = OrderedDict()
 
@@ -204,7 +213,10 @@ class Plan(IterableDataset):
         """The global order of pass ``pass_`` (the last few are kept)."""
         order = self._orders.get(pass_)
         if order is None:
-            order = PassOrder(self.sources, self.seed, pass_, self.span_bytes, self.span_samples)
+            ordered = self.evaluation
+            order = PassOrder(
+                self.sources, self.seed, pass_, self.span_bytes, self.span_samples, ordered
+            )
             self._orders[pass_] = order
             while len(self._orders) > 3:
                 self._orders.popitem(last=False)

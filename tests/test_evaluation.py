@@ -1,0 +1,103 @@
+"""Evaluation loaders: every sample once over all ranks and workers, in the indexes' order,
+the same exact length on every rank, empty rows where a rank has run out, no carry-over."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import wdsvlm
+from wdsvlm.write.writer import write_dataset
+
+from .conftest import EXAMPLE, write_jsonl
+
+TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
+SMALL = {"tile_size": 128, "max_image_side": 256, "tokens_per_tile": 16}
+OPTIONS = {"max_length": 1024, "batch_size": 4, "evaluation": True, **SMALL}
+
+
+def index_order(folder=EXAMPLE, prefix=""):
+    index = json.load(open(os.path.join(folder, "index.json")))
+    return [f"{prefix}{s['name']}/{e['key']}" for s in index["shards"] for e in s["entries"]]
+
+
+def by_global_worker(source, world, workers, **options):
+    """Per global worker, the keys its batches hold; and per rank, (len, batches yielded)."""
+    keys, lengths = [], []
+    for rank in range(world):
+        loader = wdsvlm.Loader(
+            source, TOKENIZER, rank=rank, world_size=world, num_workers=workers, **options
+        )
+        slots = [[] for _ in range(max(1, workers))]
+        batches = list(loader)
+        for i, batch in enumerate(batches):  # batch i comes from slot i % workers
+            slots[i % len(slots)] += [k for row in batch["sample_keys"] for k in row]
+            empty = [r for r, row in enumerate(batch["sample_keys"]) if not row]
+            assert all(batch["labels"][r].eq(-100).all() for r in empty)
+        keys += slots
+        lengths.append((len(loader), len(batches)))
+    return keys, lengths
+
+
+@pytest.mark.parametrize("world, workers", [(1, 0), (3, 0), (2, 2)])
+def test_every_sample_once_in_the_indexes_order_and_every_rank_alike(world, workers):
+    keys, lengths = by_global_worker(EXAMPLE, world, workers, **OPTIONS)
+    assert len({n for n, _ in lengths}) == 1 and all(n == got for n, got in lengths)
+    order = index_order()
+    place = {k: i for i, k in enumerate(order)}
+    # each global worker reads a contiguous block of the order; the blocks follow each other
+    read = [k for share in keys for k in sorted(share, key=place.get)]
+    assert read == order
+
+
+def test_a_rank_with_no_sample_yields_as_many_batches_of_empty_rows(tmp_path):
+    """A validation set of one sample over three ranks: rank 0 yields it, ranks 1 and 2 the
+    same number of batches, every row empty, so no collective waits."""
+    records = [{"id": "only", "conversations": [
+        {"from": "human", "value": "What is two and two?"},
+        {"from": "gpt", "value": "Four."},
+    ]}]  # fmt: skip
+    folder = str(tmp_path / "one")
+    write_dataset(write_jsonl(str(tmp_path / "one.jsonl"), records), folder, progress=False)
+    batches = []
+    for rank in range(3):
+        loader = wdsvlm.Loader(folder, TOKENIZER, rank=rank, world_size=3, **OPTIONS)
+        assert len(loader) == 1
+        batches.append(list(loader))
+    assert [len(b) for b in batches] == [1, 1, 1]
+    assert len([k for row in batches[0][0]["sample_keys"] for k in row]) == 1
+    assert int(batches[0][0]["num_loss_tokens"]) > 0
+    for rank in (1, 2):
+        batch = batches[rank][0]
+        assert batch["sample_keys"] == [[]] * 4 and int(batch["num_loss_tokens"]) == 0
+        assert batch["input_ids"].shape == batches[0][0]["input_ids"].shape
+
+
+def test_each_iteration_is_the_whole_pass_whatever_the_last_one_did():
+    loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, **OPTIONS)
+    whole = [b["sample_keys"] for b in loader]
+    next(iter(loader))  # stopped after one batch: nothing is carried over
+    assert [b["sample_keys"] for b in loader] == whole
+    assert sorted(k for b in whole for row in b for k in row) == sorted(index_order())
+
+
+def test_a_mixture_is_every_sample_of_each_source_once_with_its_source_named():
+    mixture = [
+        wdsvlm.Source(EXAMPLE, weight=3.0, name="a"),
+        wdsvlm.Source(EXAMPLE, weight=1.0, name="b"),
+    ]
+    keys, lengths = by_global_worker(mixture, 2, 0, **OPTIONS)
+    assert len({n for n, _ in lengths}) == 1
+    expected = index_order(prefix="a/") + index_order(prefix="b/")
+    place = {k: i for i, k in enumerate(expected)}
+    assert [k for share in keys for k in sorted(share, key=place.get)] == expected
+    loader = wdsvlm.Loader(mixture, TOKENIZER, **OPTIONS)
+    sources = {s for b in loader for row in b["sample_sources"] for s in row}
+    assert sources == {"a", "b"}
+
+
+def test_an_evaluation_loader_refuses_an_epoch_length():
+    with pytest.raises(ValueError, match="batches_per_epoch is set with evaluation=True"):
+        wdsvlm.Loader(EXAMPLE, TOKENIZER, batches_per_epoch=3, **OPTIONS)
