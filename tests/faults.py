@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import socket
 import threading
+from collections import Counter
 
 
 def _recv(sock: socket.socket) -> bytes:
@@ -52,13 +53,15 @@ class FaultProxy:
     probabilities: ``error`` answers 503 (S3's ServiceUnavailable), ``cut`` closes the
     connection after half the response body, ``stall`` sends half the body and then nothing.
     ``status`` (when set) answers every request with that status at once, a permanent fault.
-    ``requests`` and ``faults`` count what it did."""
+    ``requests`` and ``faults`` count what it did; ``served`` the body bytes it relayed whole,
+    by request path."""
 
     def __init__(self, upstream_port: int, seed: int = 0):
         self.upstream = ("127.0.0.1", upstream_port)
         self.error = self.cut = self.stall = 0.0
         self.status: int | None = None
         self.requests = self.faults = 0
+        self.served: Counter = Counter()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -162,6 +165,9 @@ class FaultProxy:
                     upstream = None
                 if fault == "ok" or n < 2:
                     client.sendall(reply + payload)
+                    path = head.split(b" ", 2)[1].split(b"?", 1)[0].decode()
+                    with self._lock:
+                        self.served[path] += n
                     continue
                 client.sendall(reply + payload[: n // 2])
                 if fault == "stall":
