@@ -111,16 +111,7 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
     batches = epoch_batches(plan, tokenize, pack, settings, worker_config)
     stream = Stream(
         plan,
-        ReadSamples(
-            settings.storage_options,
-            stats=skips,
-            policy=settings.read_policy,
-            read_ahead=settings.read_ahead,
-            on_shard_error=settings.on_shard_error,
-            cache=ShardCache(settings.cache_dir, settings.cache_bytes)
-            if settings.cache_dir
-            else None,
-        ),
+        reader(settings, skips),
         Shuffle(shuffle_buffer(plan, settings), settings.shuffle_bytes, settings.seed),
         tokenize,
         pack,
@@ -223,6 +214,19 @@ def pad_of(tokenizer: Any) -> int:
     return 0 if pad is None else pad
 
 
+def reader(settings: LoaderSettings, stats: SkipStats) -> ReadSamples:
+    """The read stage with the settings' storage options, read policy, read-ahead, shard
+    errors and shard cache, counting what it skips in ``stats``."""
+    return ReadSamples(
+        settings.storage_options,
+        stats=stats,
+        policy=settings.read_policy,
+        read_ahead=settings.read_ahead,
+        on_shard_error=settings.on_shard_error,
+        cache=ShardCache(settings.cache_dir, settings.cache_bytes) if settings.cache_dir else None,
+    )
+
+
 def epoch_batches(
     plan: Plan, tokenize: Tokenize, pack: Pack, settings: LoaderSettings, config: WorkerConfig
 ) -> int:
@@ -232,7 +236,8 @@ def epoch_batches(
     others epoch after epoch."""
     workers = config.workers_per_rank
     if settings.evaluation:
-        return evaluation_batches(plan, tokenize, pack, settings, config)
+        read = reader(settings, tokenize.stats)
+        return evaluation_batches(plan, read, tokenize, pack, settings.batch_size, config)
     estimate = settings.batches_per_epoch or estimate_batches(
         plan, tokenize, pack, settings, config
     )

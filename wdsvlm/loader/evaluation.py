@@ -17,25 +17,16 @@ from __future__ import annotations
 from typing import Any
 
 from ..pipeline.plan import Plan, WorkerConfig
-from ..pipeline.read import ReadSamples
-from ..storage.cache import ShardCache
 
 
 def evaluation_batches(
-    plan: Plan, tokenize: Any, pack: Any, settings: Any, worker_config: WorkerConfig
+    plan: Plan, read: Any, tokenize: Any, pack: Any, batch_size: int, worker_config: WorkerConfig
 ) -> int:
     """``len()`` of an evaluation loader: the batches of the global worker whose share packs
-    into the most, times the rank's workers (each of them yields that many)."""
-    read = ReadSamples(
-        settings.storage_options,
-        stats=tokenize.stats,
-        policy=settings.read_policy,
-        read_ahead=settings.read_ahead,
-        on_shard_error=settings.on_shard_error,
-        cache=ShardCache(settings.cache_dir, settings.cache_bytes) if settings.cache_dir else None,
-    )
+    into the most (``read``, ``tokenize`` and ``pack``: the Loader's stages), times the rank's
+    workers (each of them yields that many)."""
     most = 0
     for worker in range(worker_config.global_workers):
         packs = sum(1 for _ in pack(tokenize(read(plan.spans(0, worker)))))
-        most = max(most, -(-packs // settings.batch_size))
+        most = max(most, -(-packs // batch_size))
     return most * worker_config.workers_per_rank
