@@ -119,6 +119,9 @@ def test_weights_split_samples_per_pass(datasets):
     loader, seen, _, _ = run(sources, 2, samples_per_pass=40)
     assert loader.plan.num_samples == 40
     assert Counter(n for p, n, _ in seen if p == 0) == {"v": 30, "o": 10}
+    # stats(): the shares of the samples the last epoch's batches held, per source
+    last = Counter(n for _, n, _ in seen[-loader.stats()["samples"] :])
+    assert loader.stats()["sources"] == {n: k / sum(last.values()) for n, k in last.items()}
 
 
 def test_exact_resume_of_a_mixture_mid_pass_and_after_several_passes(datasets):

@@ -4,8 +4,9 @@ load of the batches)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..pipeline.pack import tiles_cv
 from ..pipeline.packer import budget_advice
@@ -14,25 +15,29 @@ from ..pipeline.stats import SkipStats
 
 @dataclass
 class Yielded:
-    """What the batches yielded this epoch hold: real packs, samples, tokens and tiles."""
+    """What the batches yielded this epoch hold: real packs, samples, tokens and tiles, and
+    a mixture's samples per source."""
 
     packs: int = 0
     samples: int = 0
     tokens: int = 0
     tiles: int = 0
+    sources: Counter = field(default_factory=Counter)
 
     def count(self, batch: Mapping) -> None:
         self.packs += sum(1 for row in batch["sample_keys"] if row)
         self.samples += sum(len(row) for row in batch["sample_keys"])
         self.tokens += int(batch["attention_mask"].sum())
         self.tiles += int(batch["image_tiles"].sum())
+        for row in batch.get("sample_sources", ()):
+            self.sources.update(row)
 
 
 def epoch_stats(yielded: Yielded, reports: Mapping[int, dict], max_length: int) -> dict:
     """The Loader's ``stats()``: fill ratio of the packed rows, samples and tiles per pack,
-    tiles-per-batch spread, from ``yielded``; and, all workers' latest ``reports`` together,
-    drops, truncations and skipped samples (counts, and up to 10 ``"SHARD/KEY"`` per reason
-    and worker)."""
+    tiles-per-batch spread, a mixture's share of the samples per source, from ``yielded``;
+    and, all workers' latest ``reports`` together, drops, truncations and skipped samples
+    (counts, and up to 10 ``"SHARD/KEY"`` per reason and worker)."""
     skips = SkipStats()
     truncated = batches = tiles = squares = vision_bound = 0
     dropped: dict = {}
@@ -63,6 +68,11 @@ def epoch_stats(yielded: Yielded, reports: Mapping[int, dict], max_length: int) 
         "vision_bound": vision_bound,
         "dropped": dropped,
         "dropped_examples": dropped_examples,
+        **(
+            {"sources": {k: n / samples for k, n in sorted(yielded.sources.items())}}
+            if yielded.sources
+            else {}
+        ),
         "skipped": dict(skips.counts),
         "skipped_examples": {k: list(v) for k, v in skips.examples.items()},
     }
