@@ -109,6 +109,8 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         unit=family.unit_name,
     )
     batches = epoch_batches(plan, tokenize, pack, settings, worker_config)
+    if plan.schedule is not None:
+        time_schedule(plan, tokenize, pack, settings, worker_config)
     stream = Stream(
         plan,
         reader(settings, skips),
@@ -138,10 +140,13 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         image_token=tokenize.image_token,
         chat_template=tokenize.chat_template,
         dataset=dataset_id(plan),
+        schedule=None if plan.schedule is None else plan.schedule.spec(),
         shards_sha256=shards_sha256(plan),
         tokenizer=tokenize.fingerprint(videos=has_videos(plan)),
         batches_per_epoch=batches,
     )
+    if plan.schedule is not None:  # adopted from the saved run by a resume
+        config["schedule_clock"] = plan.schedule.clock
     return LoaderParts(
         family, worker_config, plan, tokenize, stream, options, pad_token_id, batches, config
     )
@@ -214,6 +219,27 @@ def pad_of(tokenizer: Any) -> int:
     return 0 if pad is None else pad
 
 
+# A weight schedule's passes are about this many batches of a rank long, unless
+# samples_per_pass is given: each pass holds the mean shares of its batches.
+SCHEDULE_PASS_BATCHES = 50
+
+
+def time_schedule(
+    plan: Plan, tokenize: Tokenize, pack: Pack, settings: LoaderSettings, config: WorkerConfig
+) -> None:
+    """A weight schedule's passes (``pipeline/schedule.py``): ``samples_per_pass``, else
+    about ``SCHEDULE_PASS_BATCHES`` batches' worth of the sources' samples (from the estimate
+    of a pass over all of them); then the batches one such pass packs into, estimated alike on
+    every rank, is the clock that places each pass on the schedule."""
+    per_pass = plan.schedule.samples_per_pass if plan.schedule.given else None
+    if per_pass is None:
+        total = sum(s.size for s in plan.sources)
+        whole = estimate_batches(plan, tokenize, pack, settings, config)
+        per_pass = min(total, -(-total * SCHEDULE_PASS_BATCHES // max(1, whole)))
+    plan.time_passes(max(per_pass, config.global_workers), 1)
+    plan.time_passes(plan.num_samples, estimate_batches(plan, tokenize, pack, settings, config))
+
+
 def reader(settings: LoaderSettings, stats: SkipStats) -> ReadSamples:
     """The read stage with the settings' storage options, read policy, read-ahead, shard
     errors and shard cache, counting what it skips in ``stats``."""
@@ -245,12 +271,14 @@ def epoch_batches(
 
 
 def dataset_id(plan: Plan) -> str:
-    """The sources' shards and each source's share of a pass."""
+    """The sources' shards and each source's share of a pass (of a weight schedule: the
+    schedule, recorded apart, decides the shares)."""
+    fixed = plan.schedule is None
     sources = [
         [
             s.name,
-            s.copies,
-            s.extra,
+            s.copies if fixed else None,
+            s.extra if fixed else None,
             [[h["name"], h["samples"], h.get("bytes")] for h in s.index["shards"]],
         ]
         for s in plan.sources

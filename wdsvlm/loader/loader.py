@@ -375,7 +375,7 @@ class Loader:
             state,
             self.worker_config,
             self._config,
-            self.plan.num_samples,
+            self.plan,
             self._batches_per_epoch,
         )
         # the saved run's epochs go on as they were (an elastic resume keeps this one's)

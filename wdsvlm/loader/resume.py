@@ -39,15 +39,21 @@ def topology_of(config: WorkerConfig) -> dict[str, int]:
 def resume_point(
     saved: Mapping[str, Any] | Sequence[Mapping[str, Any]],
     worker_config: WorkerConfig,
-    config: Mapping[str, Any],
-    pass_size: int,
+    config: dict[str, Any],
+    plan: Any,
     batches_per_epoch: int,
 ) -> ResumePoint:
-    """Where a loader of ``worker_config`` and resume ``config`` (its epoch
-    ``batches_per_epoch`` long, a pass ``pass_size`` samples) goes on from ``saved``: one
-    rank's ``state_dict()``, or the list of all ranks' (see ``Loader.load_state_dict``).
-    A state of another topology, of other settings or of another dataset is refused,
-    naming the difference."""
+    """Where a loader of ``worker_config``, resume ``config`` and ``plan`` (its epoch
+    ``batches_per_epoch`` long) goes on from ``saved``: one rank's ``state_dict()``, or the
+    list of all ranks' (see ``Loader.load_state_dict``). A state of another topology, of other
+    settings or of another dataset is refused, naming the difference. A weight schedule's
+    passes keep the saved run's length in batches (``schedule.py``), on any topology."""
+    first = saved if isinstance(saved, Mapping) else (saved[0] if saved else {})
+    clock = first.get("config", {}).get("schedule_clock")
+    if clock is not None and plan.schedule is not None:
+        plan.time_passes(plan.schedule.samples_per_pass, clock)
+        config["schedule_clock"] = clock
+    pass_size = plan.num_samples
     here = topology_of(worker_config)
     if isinstance(saved, Sequence) and not isinstance(saved, Mapping):
         states = [LoaderState.from_saved(upgrade_state(s)) for s in saved]

@@ -83,7 +83,8 @@ class LoaderSettings:
     (an elastic resume onto another topology estimates it anew)."""
     samples_per_pass: int | None = None
     """Samples a pass holds when every source of a mixture gives ``weight=`` (None: the
-    sources' total). Checked on resume through the sources' shares of a pass."""
+    sources' total; with a weight schedule, about 50 batches' worth). Checked on resume
+    through the sources' shares of a pass."""
     image_token: str | None = _shapes(None)
     """The image token; None: the tokenizer's own, else ``<image>``."""
     chat_template: str | None = _shapes(None)
@@ -248,7 +249,9 @@ def fingerprint(value: Any) -> str:
 
 
 # What a saved state must agree with that is not a setting.
-_FACTS = ("dataset", "shards_sha256", "tokenizer", "batches_per_epoch")
+_FACTS = ("dataset", "shards_sha256", "tokenizer", "batches_per_epoch", "schedule")
+# facts a resume adopts from the saved run rather than checks
+_KEPT = ("batches_per_epoch", "schedule_clock")
 
 
 def resume_config(settings: LoaderSettings, **effective: Any) -> dict[str, Any]:
@@ -258,7 +261,7 @@ def resume_config(settings: LoaderSettings, **effective: Any) -> dict[str, Any]:
     not settings (``_FACTS``)."""
     config = settings.shaping()
     for name, value in effective.items():
-        if name in config or name in _FACTS:
+        if name in config or name in _FACTS or name in _KEPT:
             config[name] = value
         else:
             raise ValueError(f"{name} is not a batch-shaping setting or fact")
@@ -269,14 +272,14 @@ def resume_config(settings: LoaderSettings, **effective: Any) -> dict[str, Any]:
 
 # The value a state saved before the setting was recorded was made with: it is checked as
 # that (the places of such a state name other samples under another chunk size).
-_BEFORE_RECORDED = {"span_bytes": 8 * 2**20, "span_samples": None}
+_BEFORE_RECORDED = {"span_bytes": 8 * 2**20, "span_samples": None, "schedule": None}
 
 
 def check_resume(saved: Mapping[str, Any], here: Mapping[str, Any]) -> None:
     """Refuse a saved ``config`` that differs from ``here`` in anything but the epoch length
     (a resumed run keeps its own), naming each difference."""
     saved = {**{k: v for k, v in _BEFORE_RECORDED.items() if k in here}, **saved}
-    differ = [k for k in here if k != "batches_per_epoch" and k in saved and saved[k] != here[k]]
+    differ = [k for k in here if k not in _KEPT and k in saved and saved[k] != here[k]]
     if differ:
         raise ValueError(
             "cannot resume: the loader state was saved with other settings: "

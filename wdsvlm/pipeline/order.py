@@ -119,8 +119,9 @@ class PassOrder:
         span_bytes: int,
         span_samples: int | None = None,
         ordered: bool = False,
+        counts: Sequence[tuple[int, int, int]] | None = None,
     ):
-        columns = _unshuffled_visits(sources, seed, pass_, span_bytes, span_samples)
+        columns = _unshuffled_visits(sources, seed, pass_, span_bytes, span_samples, counts)
         if not ordered:  # ordered: the sources, their shards and samples as the index lists
             order = seeded_rng("wdsvlm-pass", seed, pass_).permutation(len(columns[0]))
             for i in range(4):  # a column at a time, so that few copies are held at once
@@ -160,7 +161,7 @@ class PassOrder:
 
 
 def _unshuffled_visits(
-    sources: Sequence[DataSource], seed: int, pass_: int, span_bytes: int, span_samples
+    sources: Sequence[DataSource], seed: int, pass_: int, span_bytes: int, span_samples, counts
 ) -> list:
     """The pass's visits before they are shuffled, as four int32 columns: source, shard, first
     entry and stop. int32, since a shard's entries and a source's shards stay far below 2**31,
@@ -168,10 +169,16 @@ def _unshuffled_visits(
     parts = []  # (source, shard, first entry, stop) arrays
     for number, source in enumerate(sources):
         shard, first, stop = _chunks(source, span_bytes, span_samples)
-        for _ in range(source.copies):
+        # a schedule's counts of this pass (``schedule.py``), else the source's own
+        copies, extra, start = (
+            counts[number]
+            if counts is not None
+            else (source.copies, source.extra, (pass_ * source.extra) % max(1, source.size))
+        )
+        for _ in range(copies):
             parts.append((np.full(len(shard), number, np.int32), shard, first, stop))
-        if source.extra:
-            extra = _extra_visits(source, number, seed, pass_, shard, first, stop)
+        if extra:
+            extra = _extra_visits(source, number, seed, extra, start, shard, first, stop)
             parts.append((np.full(len(extra[0]), number, np.int32), *extra))
     if not parts:
         return [np.zeros(0, dtype=np.int32)] * 4
@@ -217,19 +224,21 @@ def _chunks(source: DataSource, span_bytes: int, span_samples: int | None = None
     return shard, first, stop
 
 
-def _extra_visits(source: DataSource, number: int, seed: int, pass_: int, shard, first, stop):
-    """``(shard, first entry, stop)`` of the visits holding the source's extra samples of this
-    pass: the window ``[pass * extra, (pass + 1) * extra)`` (modulo the source's size) of the
-    source's samples with its chunks in a seeded rotation order, fixed for the source."""
+def _extra_visits(
+    source: DataSource, number: int, seed: int, extra: int, start: int, shard, first, stop
+):
+    """``(shard, first entry, stop)`` of the visits holding the source's ``extra`` samples of
+    this pass: the window ``[start, start + extra)`` (modulo the source's size; ``start`` is
+    ``pass * extra`` for a fixed share) of the source's samples with its chunks in a seeded
+    rotation order, fixed for the source."""
     n = source.size
     rotation = seeded_rng("wdsvlm-extra", seed, number, source.name).permutation(len(shard))
     shard, first, stop = shard[rotation], first[rotation], stop[rotation]
     ends = np.cumsum(stop - first)
     begins = ends - (stop - first)
-    start = (pass_ * source.extra) % n
-    windows = [(start, min(n, start + source.extra))]
-    if start + source.extra > n:  # wrapping round to the source's start
-        windows.append((0, start + source.extra - n))
+    windows = [(start, min(n, start + extra))]
+    if start + extra > n:  # wrapping round to the source's start
+        windows.append((0, start + extra - n))
     out = [[], [], []]
     for lo, hi in windows:
         touched = (ends > lo) & (begins < hi)

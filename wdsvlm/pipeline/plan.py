@@ -139,13 +139,15 @@ class Plan(IterableDataset):
         evaluation: bool = False,
     ):
         super().__init__()
-        sources, mixture = resolve_sources(source, storage_options, read_policy, samples_per_pass)
+        found = resolve_sources(source, storage_options, read_policy, samples_per_pass)
+        sources, mixture, schedule = found
         worker_config = worker_config or WorkerConfig.from_environment()
         if evaluation:  # every sample of every source once, as the indexes list them
             for s in sources:
                 s.copies, s.extra = 1, 0
+            schedule = None
         self._take(sources, mixture, seed, epoch, worker_config, span_bytes, span_samples)
-        self.evaluation = evaluation
+        self.evaluation, self.schedule = evaluation, schedule
         for s in self.sources:
             if s.size == 0:
                 raise ValueError(f"{s.index.get('source', s.name)}: the dataset has no samples")
@@ -176,7 +178,7 @@ class Plan(IterableDataset):
         self.index, self.urls = self.sources[0].index, self.sources[0].urls
         self.seed, self._epoch, self.span_bytes = seed, epoch, span_bytes
         self.span_samples = span_samples
-        self.evaluation = False
+        self.evaluation, self.schedule = False, None
         self.worker_config = worker_config
         self._orders: OrderedDict[int, PassOrder] = OrderedDict()
 
@@ -213,14 +215,30 @@ class Plan(IterableDataset):
         """The global order of pass ``pass_`` (the last few are kept)."""
         order = self._orders.get(pass_)
         if order is None:
-            ordered = self.evaluation
+            counts = None if self.schedule is None else self.schedule.pass_counts(pass_)
             order = PassOrder(
-                self.sources, self.seed, pass_, self.span_bytes, self.span_samples, ordered
+                self.sources,
+                self.seed,
+                pass_,
+                self.span_bytes,
+                self.span_samples,
+                ordered=self.evaluation,
+                counts=counts,
             )
             self._orders[pass_] = order
             while len(self._orders) > 3:
                 self._orders.popitem(last=False)
         return order
+
+    def time_passes(self, samples_per_pass: int, clock: int) -> None:
+        """A weight schedule's passes: ``samples_per_pass`` samples each, ``clock`` batches
+        of a rank long (``schedule.py``). Every rank and worker must be given the same."""
+        schedule = self.schedule
+        schedule.samples_per_pass = samples_per_pass
+        schedule.set_clock(clock)
+        for s, (copies, extra, _) in zip(self.sources, schedule.pass_counts(0), strict=True):
+            s.copies, s.extra = copies, extra
+        self._orders.clear()
 
     def share(self, worker: int, global_workers: int | None = None) -> tuple[int, int]:
         """Global worker ``worker``'s block ``[start, stop)`` of every pass's order."""

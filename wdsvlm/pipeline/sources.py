@@ -15,6 +15,8 @@ alone (``pass_counts``), so it is the same on every topology:
 - ``choose=k``: ``repeat=k/n``.
 - ``weight=w`` (every source, then): a pass holds ``samples_per_pass`` samples (default: the
   sources' total), split by weight with the same rounding, each share drawn as ``choose``.
+- ``weight=[(batch, w), ...]`` with ``schedule="linear"`` or ``"step"``: a weight that follows
+  the training Loader's batch count, pass by short pass (``schedule.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ..errors import ShardFormatError
 from ..format.index import load_index, shard_url
 from ..format.tarscan import scan_index
 from ..storage.fs import join
+from .schedule import Schedule, check_points
 
 log = logging.getLogger("wdsvlm.mixture")
 
@@ -49,13 +52,22 @@ class Source:
     path: str | Sequence[str]
     repeat: float | None = None
     choose: int | None = None
-    weight: float | None = None
+    weight: Any = None
     name: str | None = None
     storage_options: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
+    schedule: str | None = None
+    """With ``weight=[(batch, weight), ...]``: ``"linear"`` (the default) or ``"step"``
+    (``schedule.py``)."""
 
     def __post_init__(self):
         given = [k for k in ("repeat", "choose", "weight") if getattr(self, k) is not None]
         where = f"Source({self.path!r})"
+        if self.schedule is not None and self.weight is None:
+            raise ValueError(f"{where}: schedule= goes with weight=[(batch, weight), ...]")
+        if self.weight is not None and not isinstance(self.weight, (int, float)):
+            points = check_points(self.weight, self.schedule, where)
+            object.__setattr__(self, "weight", points)
+            object.__setattr__(self, "schedule", self.schedule or "linear")
         if len(given) > 1:
             raise ValueError(f"{where}: give one of repeat, choose and weight, not {given}")
         if self.repeat is not None and not (self.repeat >= 0 and math.isfinite(self.repeat)):
@@ -64,7 +76,9 @@ class Source:
             raise ValueError(f"{where}: choose must be a whole number >= 0, not {self.choose}")
         if self.choose is not None and int(self.choose) != self.choose:
             raise ValueError(f"{where}: choose must be a whole number >= 0, not {self.choose}")
-        if self.weight is not None and not (self.weight > 0 and math.isfinite(self.weight)):
+        if isinstance(self.weight, (int, float)) and not (
+            self.weight > 0 and math.isfinite(self.weight)
+        ):
             raise ValueError(f"{where}: weight must be a finite number > 0, not {self.weight}")
         if self.name is not None and (not self.name or "/" in self.name):
             raise ValueError(f"{where}: a name must be non-empty and hold no '/': {self.name!r}")
@@ -112,6 +126,8 @@ def pass_counts(
         )
     if samples_per_pass is not None and not all(weighted):
         raise ValueError("samples_per_pass goes with weight= on every source")
+    if any(not isinstance(s.weight, (int, float)) for s in sources if s.weight is not None):
+        raise ValueError("a weight schedule is counted pass by pass: see schedule_of")
     if all(weighted) and sources:
         total = sum(sizes) if samples_per_pass is None else samples_per_pass
         weights = sum(s.weight for s in sources)
@@ -171,7 +187,7 @@ def load_mixture(
     for i, item in enumerate(spec["sources"]):
         if not isinstance(item, dict) or "path" not in item:
             raise ValueError(f"{path}: source {i} needs a path: {item!r:.200}")
-        fields = {"path", "repeat", "choose", "weight", "name", "storage_options"}
+        fields = {"path", "repeat", "choose", "weight", "name", "storage_options", "schedule"}
         if set(item) - fields:
             raise ValueError(f"{path}: source {i}: unknown fields {sorted(set(item) - fields)}")
         try:
@@ -289,7 +305,34 @@ def resolve_sources(
         options = s.storage_options if s.storage_options is not None else storage_options
         index, urls = resolve_source(s.path, options, policy)
         resolved.append(DataSource(s.name, index, urls, storage_options=options))
-    counts = pass_counts([r.size for r in resolved], sources, samples_per_pass)
+    sizes = [r.size for r in resolved]
+    schedule = schedule_of(sources, sizes, samples_per_pass)
+    if schedule is not None:
+        counts = [(c, e) for c, e, _ in schedule.pass_counts(0)]
+    else:
+        counts = pass_counts(sizes, sources, samples_per_pass)
     for r, (copies, extra) in zip(resolved, counts, strict=True):
         r.copies, r.extra = copies, extra
-    return resolved, mixture or len(resolved) > 1
+    return resolved, mixture or len(resolved) > 1, schedule
+
+
+def schedule_of(
+    sources: Sequence[Source], sizes: Sequence[int], samples_per_pass: int | None
+) -> Schedule | None:
+    """The mixture's ``Schedule`` where a source's weight is on one, else None. Every source
+    then gives ``weight=`` (a number is a weight that stays); ``samples_per_pass`` defaults
+    to the sources' total until the Loader shortens the passes (``loader/build.py``)."""
+    if all(s.schedule is None for s in sources):
+        return None
+    if any(s.weight is None for s in sources):
+        raise ValueError(
+            "a mixture with a weight schedule gives weight= for every source (a number is a "
+            "weight that stays)"
+        )
+    points = [
+        ((0.0, float(s.weight)),) if isinstance(s.weight, (int, float)) else s.weight
+        for s in sources
+    ]
+    kinds = [s.schedule or "step" for s in sources]
+    given = samples_per_pass is not None
+    return Schedule(points, kinds, list(sizes), samples_per_pass or sum(sizes), given=given)

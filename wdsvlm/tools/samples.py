@@ -161,7 +161,7 @@ def inspect_samples(
     from ..pipeline.sources import resolve_sources
 
     config = image_config or ImageConfig()
-    sources, mixture = resolve_sources(source, storage_options)
+    sources, mixture, _ = resolve_sources(source, storage_options)
     if not mixture:
         s = sources[0]
         picked = [
