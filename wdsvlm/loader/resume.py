@@ -46,14 +46,26 @@ def resume_point(
     """Where a loader of ``worker_config``, resume ``config`` and ``plan`` (its epoch
     ``batches_per_epoch`` long) goes on from ``saved``: one rank's ``state_dict()``, or the
     list of all ranks' (see ``Loader.load_state_dict``). A state of another topology, of other
-    settings or of another dataset is refused, naming the difference. A weight schedule's
-    passes keep the saved run's length in batches (``schedule.py``), on any topology."""
-    first = saved if isinstance(saved, Mapping) else (saved[0] if saved else {})
-    clock = first.get("config", {}).get("schedule_clock")
+    settings or of another dataset is refused, naming the difference. Once accepted, a weight
+    schedule's passes take the saved run's length in batches (``schedule.py``), on any
+    topology."""
+    point = checked_point(saved, worker_config, config, plan.num_samples, batches_per_epoch)
+    first = saved if isinstance(saved, Mapping) else saved[0]
+    clock = first["config"].get("schedule_clock")
     if clock is not None and plan.schedule is not None:
         plan.time_passes(plan.schedule.samples_per_pass, clock)
         config["schedule_clock"] = clock
-    pass_size = plan.num_samples
+    return point
+
+
+def checked_point(
+    saved: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    worker_config: WorkerConfig,
+    config: Mapping[str, Any],
+    pass_size: int,
+    batches_per_epoch: int,
+) -> ResumePoint:
+    """``resume_point`` for a pass of ``pass_size`` samples, the schedule's clock aside."""
     here = topology_of(worker_config)
     if isinstance(saved, Sequence) and not isinstance(saved, Mapping):
         states = [LoaderState.from_saved(upgrade_state(s)) for s in saved]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -44,7 +45,8 @@ class Source:
     """One dataset of a mixture: a dataset folder or URL, or tar URLs (as ``Loader`` takes).
 
     ``repeat`` (samples per pass as a multiple of the source's size), ``choose`` (samples per
-    pass) or ``weight`` (a share of ``samples_per_pass``, given for every source); ``name``
+    pass) or ``weight`` (a share of ``samples_per_pass``, given for every source; or points
+    ``[(batch, weight), ...]`` joined as ``schedule`` says, ``"linear"`` or ``"step"``); ``name``
     defaults to the path's last component, made unique in the mixture (``vqa``, ``vqa-2``);
     ``storage_options`` go to fsspec for this source (the Loader's own otherwise).
     """
@@ -64,7 +66,7 @@ class Source:
         where = f"Source({self.path!r})"
         if self.schedule is not None and self.weight is None:
             raise ValueError(f"{where}: schedule= goes with weight=[(batch, weight), ...]")
-        if self.weight is not None and not isinstance(self.weight, (int, float)):
+        if self.weight is not None and not isinstance(self.weight, numbers.Real):
             points = check_points(self.weight, self.schedule, where)
             object.__setattr__(self, "weight", points)
             object.__setattr__(self, "schedule", self.schedule or "linear")
@@ -76,7 +78,7 @@ class Source:
             raise ValueError(f"{where}: choose must be a whole number >= 0, not {self.choose}")
         if self.choose is not None and int(self.choose) != self.choose:
             raise ValueError(f"{where}: choose must be a whole number >= 0, not {self.choose}")
-        if isinstance(self.weight, (int, float)) and not (
+        if isinstance(self.weight, numbers.Real) and not (
             self.weight > 0 and math.isfinite(self.weight)
         ):
             raise ValueError(f"{where}: weight must be a finite number > 0, not {self.weight}")
@@ -126,7 +128,7 @@ def pass_counts(
         )
     if samples_per_pass is not None and not all(weighted):
         raise ValueError("samples_per_pass goes with weight= on every source")
-    if any(not isinstance(s.weight, (int, float)) for s in sources if s.weight is not None):
+    if any(not isinstance(s.weight, numbers.Real) for s in sources if s.weight is not None):
         raise ValueError("a weight schedule is counted pass by pass: see schedule_of")
     if all(weighted) and sources:
         total = sum(sizes) if samples_per_pass is None else samples_per_pass
@@ -330,7 +332,7 @@ def schedule_of(
             "weight that stays)"
         )
     points = [
-        ((0.0, float(s.weight)),) if isinstance(s.weight, (int, float)) else s.weight
+        ((0.0, float(s.weight)),) if isinstance(s.weight, numbers.Real) else s.weight
         for s in sources
     ]
     kinds = [s.schedule or "step" for s in sources]
