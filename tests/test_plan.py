@@ -33,7 +33,9 @@ def source(index, name="d", copies=1, extra=0):
     return DataSource(name, index, urls, copies=copies, extra=extra)
 
 
-def plan_of(sources, world=1, workers=0, rank=0, seed=5, span_bytes=4000, span_samples=32):
+def plan_of(
+    sources, world=1, workers=0, rank=0, seed=5, span_bytes=4000, span_samples=32, version=3
+):
     return Plan.of_sources(
         sources,
         mixture=len(sources) > 1,
@@ -41,6 +43,7 @@ def plan_of(sources, world=1, workers=0, rank=0, seed=5, span_bytes=4000, span_s
         worker_config=WorkerConfig(rank, world, workers),
         span_bytes=span_bytes,
         span_samples=span_samples,
+        version=version,
     )
 
 
@@ -176,23 +179,35 @@ def test_after_the_default_shuffle_buffer_few_samples_of_a_batch_share_a_shard(
     assert neighbours < 0.01 and pairs < 0.01, (neighbours, pairs)
 
 
-def test_chunks_hold_at_most_span_samples_and_image_sized_samples_keep_theirs():
+@pytest.mark.parametrize("version", [2, 3])
+def test_chunks_hold_at_most_span_samples_and_image_sized_samples_keep_theirs(version):
     """Text-sized samples are cut into chunks of at most ``span_samples``; samples of 60 KB and
     more fill fewer than that into ``span_bytes``, so their reads are the same with the cap
-    as without it."""
+    as without it. Under plan version 3 a chunk may end in the next shard: one read of each."""
     from wdsvlm.pipeline.order import caps_chunks
 
     text = [source(fake_index([100] * 20, sample_bytes=1_000))]
-    spans = list(plan_of(text, span_bytes=2**20).spans(0, 0))
+    spans = list(plan_of(text, span_bytes=2**20, version=version).spans(0, 0))
     assert max(len(sp["entries"]) for sp in spans) == 32
-    assert len(spans) == 20 * 4  # 32 + 32 + 32 + 4 a shard
+    if version == 2:
+        assert len(spans) == 20 * 4  # 32 + 32 + 32 + 4 a shard
+    else:  # 63 chunks of 32 of 2000 samples: 17 of them reach the next shard (800, 1600 do not)
+        assert len(spans) == 63 + 17
+        for sp in spans:  # a read of one shard
+            assert {e["key"].split("-")[0] for e in sp["entries"]} == {f"d{int(sp['shard'][2:8])}"}
     assert caps_chunks(text, 2**20, 32) and not caps_chunks(text, 2**20, None)
-    uncapped = Plan.of_sources(text, seed=5, span_bytes=2**20, span_samples=None)
+    uncapped = Plan.of_sources(
+        text, seed=5, span_bytes=2**20, span_samples=None, version=version
+    )  # at most a shard's samples (version 3: the mean shard's)
     assert [len(sp["entries"]) for sp in uncapped.spans(0, 0)] == [100] * 20
     images = [source(fake_index([500] * 4, sample_bytes=60_000))]
     assert not caps_chunks(images, 2**20, 32)
-    capped = [sp["entries"] for sp in plan_of(images, span_bytes=2**20).spans(0, 0)]
-    as_before = Plan.of_sources(images, seed=5, span_bytes=2**20, span_samples=None)
+    capped = [
+        sp["entries"] for sp in plan_of(images, span_bytes=2**20, version=version).spans(0, 0)
+    ]
+    as_before = Plan.of_sources(
+        images, seed=5, span_bytes=2**20, span_samples=None, version=version
+    )
     assert capped == [sp["entries"] for sp in as_before.spans(0, 0)]
 
 

@@ -84,6 +84,7 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         read_policy=settings.read_policy,
         samples_per_pass=settings.samples_per_pass,
         evaluation=settings.evaluation,
+        version=settings.plan_version,
     )
     if plan.num_samples < worker_config.global_workers and not settings.evaluation:
         raise ValueError(
@@ -135,7 +136,8 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         shuffle_buffer=shuffle_buffer(plan, settings),
         # None where it leaves every chunk as it was: a state saved before the cap resumes
         span_samples=settings.span_samples
-        if caps_chunks(plan.sources, settings.span_bytes, settings.span_samples)
+        if plan.version >= 3
+        or caps_chunks(plan.sources, settings.span_bytes, settings.span_samples)
         else None,
         image_token=tokenize.image_token,
         chat_template=tokenize.chat_template,

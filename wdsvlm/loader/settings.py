@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..pipeline.order import SPAN_BYTES, SPAN_SAMPLES
+from ..pipeline.plan import PLAN_VERSION, check_version
 from ..storage.fs import ReadPolicy
 from .placement import LOCAL, check_workers
 from .workers import check_context
@@ -58,6 +59,9 @@ class LoaderSettings:
     span_samples: int | None = _shapes(SPAN_SAMPLES)
     """The most samples a chunk holds (None: as many as ``span_bytes`` holds): small samples,
     such as text, then come from many shards, at a few more requests."""
+    plan_version: int = _shapes(PLAN_VERSION)
+    """The order of a pass: 3 (a worker plans its own share alone, in memory that does not grow
+    with the dataset) or 2 (the order of wdsvlm before it, to resume a run saved then)."""
     tile_size: int = _shapes(512)
     """Side of an image tile, in pixels."""
     max_image_side: int = _shapes(1024)
@@ -174,6 +178,7 @@ class LoaderSettings:
                 "batches_per_epoch is set with evaluation=True: an evaluation loader's length "
                 "is one whole pass, counted exactly"
             )
+        check_version(self.plan_version)
         if self.map_errors not in ("skip", "raise"):
             raise ValueError(f'map_errors must be "skip" or "raise", not {self.map_errors!r}')
         if self.max_tiles_per_batch is not None and self.max_tiles_per_batch < self.batch_size:
@@ -272,7 +277,12 @@ def resume_config(settings: LoaderSettings, **effective: Any) -> dict[str, Any]:
 
 # The value a state saved before the setting was recorded was made with: it is checked as
 # that (the places of such a state name other samples under another chunk size).
-_BEFORE_RECORDED = {"span_bytes": 8 * 2**20, "span_samples": None, "schedule": None}
+_BEFORE_RECORDED = {
+    "span_bytes": 8 * 2**20,
+    "span_samples": None,
+    "schedule": None,
+    "plan_version": 2,
+}
 
 
 def check_resume(saved: Mapping[str, Any], here: Mapping[str, Any]) -> None:
@@ -284,7 +294,13 @@ def check_resume(saved: Mapping[str, Any], here: Mapping[str, Any]) -> None:
         raise ValueError(
             "cannot resume: the loader state was saved with other settings: "
             + ", ".join(f"{k} {saved[k]!r} -> {here[k]!r}" for k in differ)
-            + ". Resume with the settings it was saved with, or start a new epoch afresh "
+            + ". Resume with the settings it was saved with"
+            + (
+                f" (plan_version={saved['plan_version']}: the order of the pass it was saved in)"
+                if "plan_version" in differ
+                else ""
+            )
+            + ", or start a new epoch afresh "
             "with set_epoch() instead of loading it"
         )
     unknown = sorted(k for k in here if k not in saved)

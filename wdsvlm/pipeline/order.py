@@ -138,6 +138,14 @@ class PassOrder:
     def visit_at(self, place: int) -> int:
         return int(np.searchsorted(self.starts, place, side="right")) - 1
 
+    def bounds(self, v: int) -> tuple[int, int]:
+        """Places ``[a, b)`` of visit ``v``."""
+        return int(self.starts[v]), int(self.starts[v + 1])
+
+    def pieces(self, v: int) -> list[tuple[int, int, np.ndarray]]:
+        """``(source, shard, entry numbers)`` of visit ``v``: one shard, in the visit's order."""
+        return [(int(self.visit_source[v]), int(self.visit_shard[v]), self.entries_of(v))]
+
     def entries_of(self, v: int) -> np.ndarray:
         """The entry numbers of visit ``v`` (of its shard), in the visit's seeded order."""
         entries = self._visits.get(v)

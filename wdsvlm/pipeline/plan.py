@@ -35,6 +35,7 @@ from torch.utils.data import IterableDataset
 
 from ..errors import ShardFormatError, StorageError
 from . import order
+from .keyed import KeyedOrder
 from .order import SPAN_BYTES, SPAN_SAMPLES, PassOrder, joins, one_read
 from .sources import DataSource, resolve_sources
 
@@ -103,6 +104,19 @@ def current_worker_id(config: WorkerConfig) -> int:
     return info.id
 
 
+PLAN_VERSION = 3
+"""The order of a pass: 3, keyed (``keyed.py``: a worker plans its own block alone); 2, the
+pass's visits shuffled in every worker (``order.PassOrder``), kept so that a run saved under it
+resumes exactly."""
+PLAN_VERSIONS = (2, 3)
+
+
+def check_version(version: int) -> int:
+    if version not in PLAN_VERSIONS:
+        raise ValueError(f"plan_version must be one of {PLAN_VERSIONS}, not {version!r}")
+    return version
+
+
 def worker_share(total: int, global_worker: int, global_workers: int) -> tuple[int, int]:
     """``[start, stop)`` of one global worker's contiguous block: sizes differ by at most one."""
     base, extra = divmod(total, global_workers)
@@ -137,6 +151,7 @@ class Plan(IterableDataset):
         read_policy=None,
         samples_per_pass: int | None = None,
         evaluation: bool = False,
+        version: int = PLAN_VERSION,
     ):
         super().__init__()
         found = resolve_sources(source, storage_options, read_policy, samples_per_pass)
@@ -147,7 +162,7 @@ class Plan(IterableDataset):
                 s.copies, s.extra = 1, 0
             schedule = None
         self._take(sources, mixture, seed, epoch, worker_config, span_bytes, span_samples)
-        self.evaluation, self.schedule = evaluation, schedule
+        self.evaluation, self.schedule, self.version = evaluation, schedule, check_version(version)
         for s in self.sources:
             if s.size == 0:
                 raise ValueError(f"{s.index.get('source', s.name)}: the dataset has no samples")
@@ -165,12 +180,14 @@ class Plan(IterableDataset):
         worker_config: WorkerConfig | None = None,
         span_bytes: int = SPAN_BYTES,
         span_samples: int | None = SPAN_SAMPLES,
+        version: int = PLAN_VERSION,
     ) -> Plan:
         """A plan over sources already resolved (indexes in memory)."""
         plan = cls.__new__(cls)
         IterableDataset.__init__(plan)
         config = worker_config or WorkerConfig()
         plan._take(sources, mixture, seed, epoch, config, span_bytes, span_samples)
+        plan.version = check_version(version)
         return plan
 
     def _take(self, sources, mixture, seed, epoch, worker_config, span_bytes, span_samples):
@@ -178,7 +195,7 @@ class Plan(IterableDataset):
         self.index, self.urls = self.sources[0].index, self.sources[0].urls
         self.seed, self._epoch, self.span_bytes = seed, epoch, span_bytes
         self.span_samples = span_samples
-        self.evaluation, self.schedule = False, None
+        self.evaluation, self.schedule, self.version = False, None, PLAN_VERSION
         self.worker_config = worker_config
         self._orders: OrderedDict[int, PassOrder] = OrderedDict()
 
@@ -216,7 +233,8 @@ class Plan(IterableDataset):
         order = self._orders.get(pass_)
         if order is None:
             counts = None if self.schedule is None else self.schedule.pass_counts(pass_)
-            order = PassOrder(
+            kind = KeyedOrder if self.version >= 3 else PassOrder
+            order = kind(
                 self.sources,
                 self.seed,
                 pass_,
@@ -273,7 +291,7 @@ class Plan(IterableDataset):
         for a, b in ranges:
             while a < b:
                 v = order.visit_at(a)
-                stop = min(b, int(order.starts[v + 1]))
+                stop = min(b, order.bounds(v)[1])
                 if v != visit and places:
                     yield from self._cut(order, visit, pass_, places, worker)
                     places = []
@@ -283,16 +301,24 @@ class Plan(IterableDataset):
         if places:
             yield from self._cut(order, visit, pass_, places, worker)
 
-    def _cut(self, order: PassOrder, v: int, pass_: int, places: Sequence[int], worker: int):
-        """Spans of ascending places of one visit: one read where they fill it densely
-        enough (``order.one_read``; a whole visit always does), else cut where an entry
-        would not join (``order.joins``)."""
-        source = self.sources[int(order.visit_source[v])]
-        number = int(order.visit_shard[v])
+    def _cut(self, order, v: int, pass_: int, places: Sequence[int], worker: int):
+        """Spans of ascending places of one visit, shard by shard (a visit of plan version 3
+        may end in the next shard): one read where they fill it densely enough
+        (``order.one_read``; a whole visit always does), else cut where an entry would not
+        join (``order.joins``)."""
+        begin = order.bounds(v)[0]
+        for s, number, numbers in order.pieces(v):
+            mine = [p for p in places if begin <= p < begin + len(numbers)]
+            if mine:
+                yield from self._cut_shard(
+                    self.sources[s], number, numbers, begin, mine, pass_, worker
+                )
+            begin += len(numbers)
+
+    def _cut_shard(self, source, number, numbers, begin, places, pass_, worker):
         shard = source.index["shards"][number]
-        numbers, start = order.entries_of(v), int(order.starts[v])
         try:
-            found = [(shard["entries"][int(numbers[p - start])], p) for p in places]
+            found = [(shard["entries"][int(numbers[p - begin])], p) for p in places]
         except (ShardFormatError, StorageError) as e:  # its sidecar cannot be read
             failed = self._span(
                 source,

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
+import numpy as np
+
 from ..errors import ShardFormatError
 from ..format.index import load_index, shard_url
 from ..format.tarscan import scan_index
@@ -222,9 +224,22 @@ class DataSource:
     storage_options: Mapping[str, Any] | None = None
 
     @cached_property
+    def sample_ends(self) -> np.ndarray:
+        """Where each shard's samples end in the source's numbering (``[0, n0, n0 + n1,
+        ...]``): sample ``i`` is in the shard ``searchsorted(ends, i, "right") - 1``."""
+        shards = self.index["shards"]
+        counts = np.fromiter((s["samples"] for s in shards), dtype=np.int64, count=len(shards))
+        return np.concatenate([[0], np.cumsum(counts)])
+
+    @cached_property
     def size(self) -> int:
         """Samples in the source (its index's shards together)."""
-        return sum(s["samples"] for s in self.index["shards"])
+        return int(self.sample_ends[-1])
+
+    @cached_property
+    def bytes(self) -> int:
+        """Bytes of the source's shards together (as the index says)."""
+        return sum(s.get("bytes") or 0 for s in self.index["shards"])
 
     @property
     def per_pass(self) -> int:
