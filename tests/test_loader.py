@@ -269,6 +269,7 @@ OTHER_VALUES = {
     "shuffle_bytes": 2**20,
     "span_bytes": 100_000,
     "span_samples": 2,
+    "plan_version": 2,
     "tile_size": 64,
     "max_image_side": 512,
     "upscale": True,

@@ -19,6 +19,7 @@ from ..storage.fs import join, publish_bytes, remove
 from .index import (
     FORMAT,
     INDEX_NAME,
+    NEWEST,
     VERSION,
     dumps_index,
     load_index,
@@ -26,6 +27,7 @@ from .index import (
     sidecar_entry,
 )
 from .sidecar import pack_entries, sidecar_name
+from .table import write_table
 
 
 def sample_entry(
@@ -179,18 +181,24 @@ def refuse_bad(
 def upgrade_dataset(
     source: str, storage_options: Mapping[str, Any] | None = None
 ) -> tuple[int, dict]:
-    """Turn the version-1 index of ``source`` into version 2 without touching its tars: each
-    shard's sidecar is written beside it, then ``index.json`` is replaced (last, so a reader
-    sees the old index or the new one). Returns the version found and the index now."""
+    """Turn the version-1 or 2 index of ``source`` into version 3 without touching its tars:
+    a version-1 shard's sidecar is written beside it, then the shard table, then
+    ``index.json`` is replaced (last, so a reader sees the old index or the new one). Returns
+    the version found and the index now."""
     index = load_index(source, storage_options)
     before = index["version"]
-    if before == VERSION:
+    if before == NEWEST:
         return before, index
     shards = []
     for shard in index["shards"]:
+        shard = dict(shard)
         entries = shard.pop("entries")
-        args = (shard["name"], entries, shard["bytes"], shard["sha256"], storage_options)
-        shards.append({**shard, **publish_sidecar(source, *args)})
-    upgraded = {**index, "version": VERSION, "shards": shards}
+        if before == 1:
+            args = (shard["name"], entries, shard["bytes"], shard["sha256"], storage_options)
+            shard.update(publish_sidecar(source, *args))
+        shards.append(shard)
+    table = write_table(source, shards, storage_options)
+    upgraded = {k: v for k, v in index.items() if k != "shards"}
+    upgraded.update(version=NEWEST, table=table)
     publish_bytes(dumps_index(upgraded), join(source, INDEX_NAME), storage_options)
     return before, load_index(source, storage_options)

@@ -18,7 +18,10 @@ from ..storage.fs import filesystem, join, read_bytes
 
 FORMAT = "wdsvlm"
 VERSION = 2  # written; version 1 (every sample's entry in index.json) is still read
-READABLE = (1, 2)
+READABLE = (1, 2, 3)
+NEWEST = 3
+"""Version 3: the shards in a binary table beside index.json (``table.py``), which
+``wdsvlm index --upgrade`` makes of a version-2 index."""
 INDEX_NAME = "index.json"
 SKIPPED_NAME = "skipped.jsonl"
 """The writer's list of the bad records it skipped."""
@@ -56,7 +59,14 @@ def load_index(source: str, storage_options: Mapping[str, Any] | None = None, po
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ShardFormatError(f"{url} is not valid JSON: {e}") from None
     check_index(index, url)
-    if index["version"] >= 2:  # each shard's entries from its sidecar, when first needed
+    if index["version"] >= 3:  # the shards from their table, mapped
+        from .table import ShardTable
+
+        table = index["table"]
+        index["shards"] = ShardTable(
+            source, join(source, table["name"]), storage_options, policy, table.get("sha256")
+        )
+    elif index["version"] >= 2:  # each shard's entries from its sidecar, when first needed
         from .sidecar import LazyEntries
 
         for shard in index["shards"]:
@@ -78,6 +88,29 @@ def shard_url(source: str, index: Mapping[str, Any], shard: Mapping[str, Any]) -
     return join(root, shard["name"])
 
 
+def shard_urls(source: str, index: Mapping[str, Any]) -> Sequence[str]:
+    """The URL of each shard of the index of ``source`` (``shard_url``): a list, or for a
+    shard table a sequence that makes each when asked for (no million strings held)."""
+    shards = index["shards"]
+    if not hasattr(shards, "name"):
+        return [shard_url(source, index, s) for s in shards]
+    return _TableURLs(source, index)
+
+
+class _TableURLs(Sequence):
+    def __init__(self, source: str, index: Mapping[str, Any]):
+        self.source, self.shard_root, self.table = source, index.get("shard_root"), index["shards"]
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        index = {"shard_root": self.shard_root}
+        return shard_url(self.source, index, {"name": self.table.name(range(len(self))[i])})
+
+
 def check_index(index: Any, where: str) -> None:
     """Raise ``ShardFormatError`` naming ``where`` unless ``index`` has the layout of a
     version this wdsvlm reads (1: entries in the index; 2: entries in sidecars)."""
@@ -89,6 +122,11 @@ def check_index(index: Any, where: str) -> None:
             f"{where}: index version {version!r}; this wdsvlm reads versions "
             f"{', '.join(map(str, READABLE))} (upgrade wdsvlm, or rewrite the dataset)"
         )
+    if version >= 3:
+        table = index.get("table")
+        if not isinstance(table, dict) or not isinstance(table.get("name"), str):
+            raise ShardFormatError(f"{where}: index version 3 names its shard table ('table')")
+        return
     shards = index.get("shards")
     if not isinstance(shards, list):
         raise ShardFormatError(f"{where}: 'shards' must be a list")
@@ -132,6 +170,9 @@ def verify_dataset(source: str, storage_options: Mapping[str, Any] | None = None
     Raises ``ShardFormatError`` naming the first shard that is missing or differs.
     """
     index = load_index(source, storage_options)
+    if index["version"] >= 3:
+        table = index["table"]
+        _check_file(join(source, table["name"]), table, storage_options, "shard table")
     for shard in index["shards"]:
         _check_file(shard_url(source, index, shard), shard, storage_options, "shard")
         if index["version"] >= 2:

@@ -177,8 +177,7 @@ class LazyEntries(Sequence):
             data = read_bytes(self.url, self.storage_options, self.policy)
         except FileNotFoundError:
             raise ShardFormatError(
-                f"{self.url}: the shard's sidecar is missing (index version 2 keeps each "
-                "shard's sample offsets there)"
+                f"{self.url}: the shard's sidecar is missing (it keeps the shard's sample offsets)"
             ) from None
         entries = Entries(data, self.url)
         if len(entries) != self.samples:

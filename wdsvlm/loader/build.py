@@ -12,6 +12,7 @@ from typing import Any
 from ..families.base import Family
 from ..families.registry import family_of
 from ..families.tiling import ImageConfig, TilingFamily
+from ..format.table import ShardTable
 from ..pipeline.collate import Collate
 from ..pipeline.order import caps_chunks
 from ..pipeline.pack import BalanceBatches, Pack
@@ -168,10 +169,7 @@ def shuffle_buffer(plan: Plan, settings: LoaderSettings) -> int:
         return 1
     if settings.shuffle_buffer is not None:
         return settings.shuffle_buffer
-    total = sum(
-        s.per_pass * sum(h.get("bytes") or 0 for h in s.index["shards"]) / max(1, s.size)
-        for s in plan.sources
-    )
+    total = sum(s.per_pass * s.bytes / max(1, s.size) for s in plan.sources)
     mean = total / max(1, plan.num_samples)
     return int(max(SHUFFLE_SAMPLES, min(SHUFFLE_MOST, SHUFFLE_TARGET_BYTES // max(1, mean))))
 
@@ -274,20 +272,21 @@ def epoch_batches(
 
 def dataset_id(plan: Plan) -> str:
     """The sources' shards and each source's share of a pass (of a weight schedule: the
-    schedule, recorded apart, decides the shares)."""
+    schedule, recorded apart, decides the shares). The same for a dataset's index of any
+    version; hashed as JSON text made piece by piece (a million shards need no list)."""
     fixed = plan.schedule is None
-    sources = [
-        [
-            s.name,
-            s.copies if fixed else None,
-            s.extra if fixed else None,
-            [[h["name"], h["samples"], h.get("bytes")] for h in s.index["shards"]],
-        ]
-        for s in plan.sources
-    ]
+    digest = hashlib.sha256()
     if not plan.mixture:  # as the first release recorded a dataset
-        sources = sources[0][3]
-    return hashlib.sha256(json.dumps(sources).encode()).hexdigest()[:16]
+        _hash_rows(digest, plan.sources[0].index["shards"], _name_samples_bytes)
+        return digest.hexdigest()[:16]
+    digest.update(b"[")
+    for k, s in enumerate(plan.sources):
+        head = [s.name, s.copies if fixed else None, s.extra if fixed else None]
+        digest.update(((", " if k else "") + json.dumps(head)[:-1] + ", ").encode())
+        _hash_rows(digest, s.index["shards"], _name_samples_bytes)
+        digest.update(b"]")
+    digest.update(b"]")
+    return digest.hexdigest()[:16]
 
 
 def shards_sha256(plan: Plan) -> str:
@@ -295,8 +294,34 @@ def shards_sha256(plan: Plan) -> str:
     rewritten with the same names, counts and sizes is another dataset. Its own key beside
     ``dataset``, so a state saved before it was recorded still resumes (unchecked, with a
     warning) rather than being refused."""
-    digests = [[h.get("sha256") for h in s.index["shards"]] for s in plan.sources]
-    return hashlib.sha256(json.dumps(digests).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"[")
+    for k, s in enumerate(plan.sources):
+        digest.update(b", " if k else b"")
+        _hash_rows(digest, s.index["shards"], _sha256s)
+    digest.update(b"]")
+    return digest.hexdigest()[:16]
+
+
+def _name_samples_bytes(shards, a: int, b: int) -> list:
+    if isinstance(shards, ShardTable):
+        counts, sizes = shards.samples[a:b].tolist(), shards.bytes[a:b].tolist()
+        return [[shards.name(i), counts[i - a], sizes[i - a]] for i in range(a, b)]
+    return [[h["name"], h["samples"], h.get("bytes")] for h in shards[a:b]]
+
+
+def _sha256s(shards, a: int, b: int) -> list:
+    if isinstance(shards, ShardTable):
+        return [row.tobytes().hex() for row in shards.columns["sha256"][a:b]]
+    return [h.get("sha256") for h in shards[a:b]]
+
+
+def _hash_rows(digest, shards, rows, step: int = 65536) -> None:
+    """``digest.update`` with ``json.dumps([rows of every shard])``, made ``step`` at a time."""
+    digest.update(b"[")
+    for a in range(0, len(shards), step):
+        text = json.dumps(rows(shards, a, min(len(shards), a + step)))[1:-1]
+        digest.update(((", " if a else "") + text).encode())
+    digest.update(b"]")
 
 
 def user_step(kind: type, fn: Any, settings: LoaderSettings) -> Any:

@@ -136,7 +136,7 @@ class _SourcePass:
     def __init__(self, number, source, seed, pass_, m, copies, extra, start, ordered):
         self.number, self.n, self.m, self.ordered = number, source.size, m, ordered
         self.copies, self.extra, self.start = copies, extra, start
-        self._key = (seed, pass_, number, source.name)
+        self._key = (seed, pass_, number)
         self._laps: OrderedDict[int, _Chunks] = OrderedDict()
         rotation = Bijection(self._count, "extra", seed, number, source.name, identity=ordered)
         self.rotation = _Chunks(self.n, m, rotation)

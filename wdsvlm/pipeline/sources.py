@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShardFormatError
-from ..format.index import load_index, shard_url
+from ..format.index import load_index, shard_urls
+from ..format.table import ShardTable
 from ..format.tarscan import scan_index
 from ..storage.fs import join
 from .schedule import Schedule, check_points
@@ -228,7 +229,10 @@ class DataSource:
         """Where each shard's samples end in the source's numbering (``[0, n0, n0 + n1,
         ...]``): sample ``i`` is in the shard ``searchsorted(ends, i, "right") - 1``."""
         shards = self.index["shards"]
-        counts = np.fromiter((s["samples"] for s in shards), dtype=np.int64, count=len(shards))
+        if isinstance(shards, ShardTable):  # a column of the mapped table
+            counts = shards.samples
+        else:
+            counts = np.fromiter((s["samples"] for s in shards), dtype=np.int64, count=len(shards))
         return np.concatenate([[0], np.cumsum(counts)])
 
     @cached_property
@@ -239,7 +243,10 @@ class DataSource:
     @cached_property
     def bytes(self) -> int:
         """Bytes of the source's shards together (as the index says)."""
-        return sum(s.get("bytes") or 0 for s in self.index["shards"])
+        shards = self.index["shards"]
+        if isinstance(shards, ShardTable):
+            return int(shards.bytes.sum())
+        return sum(s.get("bytes") or 0 for s in shards)
 
     @property
     def per_pass(self) -> int:
@@ -258,7 +265,7 @@ def resolve_source(
     """
     if isinstance(source, str) and not source.endswith(".tar"):
         index = load_index(source, storage_options, policy)
-        return index, [shard_url(source, index, s) for s in index["shards"]]
+        return index, shard_urls(source, index)
     urls = _expand(source)
     folder = urls[0].rsplit("/", 1)[0] if "/" in urls[0] else "."
     same_folder = all((u.rsplit("/", 1)[0] if "/" in u else ".") == folder for u in urls)

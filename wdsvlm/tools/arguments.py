@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         "index.json last. Layouts: wdsvlm (its own), captions (KEY.jpg + KEY.txt: user gets "
         "the image and a prompt, the caption is the answer), conversations (KEY.json with "
         "LLaVA 'conversations', Cauldron 'texts' or 'messages', beside the images). "
-        "--upgrade turns a version-1 wdsvlm index into version 2 instead.",
+        "--upgrade turns a wdsvlm index of version 1 or 2 into version 3 instead (the shards "
+        "in a binary table that the processes of a node map and share).",
     )
     index.add_argument(
         "source",
@@ -177,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument(
         "--upgrade",
         action="store_true",
-        help="turn a wdsvlm dataset's version-1 index into version 2 (nothing else is read)",
+        help="turn a wdsvlm index of version 1 or 2 into version 3 (nothing else is read)",
     )
     common_options(index)
 

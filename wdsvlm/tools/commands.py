@@ -84,9 +84,10 @@ def index(args: argparse.Namespace) -> None:
     if before == index["version"]:
         print(f"{args.source}: the index is version {before} already; nothing to do")
     else:
+        sidecars = f"{len(index['shards'])} sidecars and " if before == 1 else ""
         print(
             f"{args.source}: index version {before} -> {index['version']}: "
-            f"{len(index['shards'])} sidecars written, index.json replaced"
+            f"{sidecars}the shard table written, index.json replaced"
         )
 
 
