@@ -67,7 +67,7 @@ def write_uneven(folder, sizes, tmp) -> str:
         part = os.path.join(tmp, f"part{s}")
         if records:
             jsonl = write_jsonl(os.path.join(tmp, f"part{s}.jsonl"), records)
-            wdsvlm.write_dataset(jsonl, part, prefix=f"p{s}", progress=False)
+            wdsvlm.write_dataset(jsonl, part, prefix=f"p{s}", progress=False, index_version=2)
             index = json.load(open(os.path.join(part, "index.json")))
             for shard in index["shards"]:  # the shard and its sidecar
                 for name in (shard["name"], shard["sidecar"]["name"]):

@@ -34,7 +34,7 @@ FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "smolvlm", "idefics3", "llava_
 
 def dataset_samples(root: str) -> dict[str, dict]:
     """``"SHARD/KEY"`` -> the sample's members, read straight from the tars."""
-    index = json.load(open(os.path.join(root, "index.json")))
+    index = wdsvlm.load_index(root)
     out: dict[str, dict] = {}
     for shard in index["shards"]:
         with tarfile.open(os.path.join(root, shard["name"])) as tar:

@@ -14,7 +14,7 @@ import webdataset as wds
 import wdsvlm
 from wdsvlm import load_index, write_dataset
 from wdsvlm.errors import StorageError
-from wdsvlm.format.index import INDEX_NAME
+from wdsvlm.format.builder import publish_root
 from wdsvlm.pipeline.plan import Plan, WorkerConfig
 from wdsvlm.pipeline.read import ReadSamples
 from wdsvlm.storage.cache import ShardCache
@@ -99,12 +99,12 @@ def test_a_shard_changed_under_a_readers_index_is_refused_by_the_cache_not_cache
 
 def test_a_shard_whose_index_has_no_sha256_is_read_from_the_store_uncached(rewritten, tmp_path):
     folder, _ = rewritten
-    with open(os.path.join(folder, INDEX_NAME)) as f:
-        index = json.load(f)
-    for shard in index["shards"]:
-        shard["sha256"] = None
-    with open(os.path.join(folder, INDEX_NAME), "w") as f:
-        json.dump(index, f)
+    index = load_index(folder)
+    shards = [
+        {**{k: v for k, v in s.items() if k != "entries"}, "sha256": None} for s in index["shards"]
+    ]
+    publish_root(folder, {**{k: v for k, v in index.items() if k != "table"}, "shards": shards})
+    assert all(s["sha256"] is None for s in load_index(folder)["shards"])
     cache = ShardCache(str(tmp_path / "cache"))
     assert answers(folder, cache) == answers(folder, None)
     assert cache.size() == 0

@@ -113,9 +113,10 @@ def test_shardwriter_captions_are_indexed_in_place_and_read_as_wdsvlm_write_woul
     assert "indexed 20 samples (20 images) in 3 shards" in result.stdout
     after = tree_digest(tars)
     assert {n: d for n, d in after.items() if n.endswith(".tar")} == before  # not a byte moved
-    assert sorted(after) == sorted([*before, "index.json", *(n[:-4] + ".idx" for n in before)])
+    sidecars = (n[:-4] + ".idx" for n in before)
+    assert sorted(after) == sorted([*before, "index.json", "index.shards", *sidecars])
     index = json.load(open(os.path.join(tars, "index.json")))
-    assert index["layout"]["name"] == "captions" and index["version"] == 2
+    assert index["layout"]["name"] == "captions" and index["version"] == 3
     assert run_cli("verify", tars).returncode == 0
 
     got, got_keys = one_pass(tars)

@@ -146,6 +146,26 @@ def root_index(
     return index
 
 
+def publish_root(
+    output: str,
+    index: Mapping[str, Any],
+    storage_options: Mapping[str, Any] | None = None,
+    version: int = NEWEST,
+) -> None:
+    """Publish the root index ``index`` (its ``shards`` any iterable) at ``output`` as ``version``
+    lays it out: 3, the shard table first, then a small ``index.json``; 2, every shard's entry
+    in ``index.json``. ``index.json`` comes last, so a reader sees a whole index or none."""
+    if version not in (2, NEWEST):
+        raise ValueError(f"index_version must be 2 or {NEWEST}, not {version!r}")
+    root = dict(index)
+    if version >= 3:
+        table = write_table(output, root.pop("shards"), storage_options)
+        root.update(version=version, table=table)
+    else:
+        root.update(version=version, shards=list(root["shards"]))
+    publish_bytes(dumps_index(root), join(output, INDEX_NAME), storage_options)
+
+
 def publish_skipped(
     bad: Sequence[InputError], url: str, storage_options: Mapping[str, Any] | None = None
 ) -> Counter:
@@ -197,8 +217,5 @@ def upgrade_dataset(
             args = (shard["name"], entries, shard["bytes"], shard["sha256"], storage_options)
             shard.update(publish_sidecar(source, *args))
         shards.append(shard)
-    table = write_table(source, shards, storage_options)
-    upgraded = {k: v for k, v in index.items() if k != "shards"}
-    upgraded.update(version=NEWEST, table=table)
-    publish_bytes(dumps_index(upgraded), join(source, INDEX_NAME), storage_options)
+    publish_root(source, {**index, "shards": shards}, storage_options)
     return before, load_index(source, storage_options)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,11 +18,12 @@ from ..errors import ShardFormatError
 from ..storage.fs import filesystem, join, read_bytes
 
 FORMAT = "wdsvlm"
-VERSION = 2  # written; version 1 (every sample's entry in index.json) is still read
+VERSION = 3
+"""Written: the shards in a binary table beside index.json (``table.py``). Version 2 (every
+shard's entry in index.json, its samples in its sidecar) is written on request, and read, as
+is version 1 (every sample's entry in index.json); ``wdsvlm index --upgrade`` makes 3 of them."""
+NEWEST = VERSION
 READABLE = (1, 2, 3)
-NEWEST = 3
-"""Version 3: the shards in a binary table beside index.json (``table.py``), which
-``wdsvlm index --upgrade`` makes of a version-2 index."""
 INDEX_NAME = "index.json"
 SKIPPED_NAME = "skipped.jsonl"
 """The writer's list of the bad records it skipped."""
@@ -164,8 +166,12 @@ def sidecar_entry(name: str, data: bytes) -> dict:
     return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def verify_dataset(source: str, storage_options: Mapping[str, Any] | None = None) -> dict:
-    """Check every shard's size and sha256 against the index; return the index.
+def verify_dataset(
+    source: str, storage_options: Mapping[str, Any] | None = None, sample: int | None = None
+) -> dict:
+    """Check every shard's size and sha256 against the index (and its sidecar's, and the
+    shard table's); return the index. ``sample=N``: N shards drawn at random (the table and
+    the root index are checked whole), for a dataset too large to read through.
 
     Raises ``ShardFormatError`` naming the first shard that is missing or differs.
     """
@@ -173,7 +179,15 @@ def verify_dataset(source: str, storage_options: Mapping[str, Any] | None = None
     if index["version"] >= 3:
         table = index["table"]
         _check_file(join(source, table["name"]), table, storage_options, "shard table")
-    for shard in index["shards"]:
+    shards = index["shards"]
+    numbers: Sequence[int] = range(len(shards))
+    if sample is not None:
+        if sample < 1:
+            raise ValueError(f"sample must be at least 1 shard, not {sample}")
+        numbers = sorted(random.Random().sample(numbers, min(sample, len(shards))))
+    index["checked"] = len(numbers)
+    for number in numbers:
+        shard = shards[number]
         _check_file(shard_url(source, index, shard), shard, storage_options, "shard")
         if index["version"] >= 2:
             _verify_sidecar(source, shard, storage_options)

@@ -20,72 +20,104 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..errors import ShardFormatError
-from ..storage.fs import filesystem, is_local, join, publish_bytes, read_bytes
+from ..storage.fs import filesystem, is_local, join, publish_file, read_bytes, staging_file
 from .sidecar import LazyEntries, sidecar_name
 
 TABLE_NAME = "index.shards"
 MAGIC = b"WDSVLMT1"
 SUMS = ("images", "text_only", "turns", "chars", "videos")
 _INTS = ("samples", "bytes", "sidecar_bytes", *SUMS)
+_NONE = bytes(32)
+"""A shard's sha256 where the index has none (never the digest of real data)."""
 
 
-def table_bytes(shards: Iterable[Mapping[str, Any]]) -> bytes:
-    """The ``index.shards`` bytes of version-2 shard entries (``name``, ``samples``, ``bytes``,
-    ``sha256``, ``sidecar``, ``sums``, ``keys``)."""
-    ints: dict[str, list[int]] = {name: [] for name in _INTS}
-    digests, sidecar_digests, names, keys = [], [], [], []
-    for shard in shards:
+class TableBuilder:
+    """Builds ``index.shards`` from shard entries given one at a time, in memory bounded by a
+    constant: each column goes to a temporary file of its own as rows come, and ``finish``
+    lays them out after the header. Shard entries are those of version 2 (``name``,
+    ``samples``, ``bytes``, ``sha256``, ``sidecar``, ``sums``, ``keys``)."""
+
+    _FIXED = {**dict.fromkeys(_INTS, "<i8"), "sha256": "|u1", "sidecar_sha256": "|u1"}
+
+    def __init__(self):
+        self._folder = tempfile.TemporaryDirectory(prefix="wdsvlm-table-")
+        names = (*self._FIXED, "name_bytes", "name_end", "key_bytes", "key_end")
+        self._files = {n: open(os.path.join(self._folder.name, n), "wb") for n in names}
+        self._ends = {"name": 0, "key": 0}
+        self.rows = 0
+
+    def add(self, shard: Mapping[str, Any]) -> None:
+        where = f"shard {shard.get('name', '?')}"
         if shard["sidecar"]["name"] != sidecar_name(shard["name"]):
             raise ShardFormatError(
-                f"shard {shard['name']}: its sidecar {shard['sidecar']['name']} is not named "
+                f"{where}: its sidecar {shard['sidecar']['name']} is not named "
                 f"{sidecar_name(shard['name'])}, as index version 3 names it"
             )
         sums = shard.get("sums", {})
-        for name in SUMS:
-            ints[name].append(int(sums.get(name, 0)))
-        ints["samples"].append(int(shard["samples"]))
-        ints["bytes"].append(int(shard["bytes"]))
-        ints["sidecar_bytes"].append(int(shard["sidecar"]["bytes"]))
-        digests.append(bytes.fromhex(shard["sha256"]))
-        sidecar_digests.append(bytes.fromhex(shard["sidecar"]["sha256"]))
-        names.append(shard["name"].encode("utf-8"))
-        first_last = list(shard.get("keys") or ["", ""])
-        keys += [k.encode("utf-8") for k in first_last]
-    columns: dict[str, np.ndarray] = {n: np.asarray(v, dtype="<i8") for n, v in ints.items()}
-    columns["sha256"] = np.frombuffer(b"".join(digests), np.uint8).reshape(-1, 32)
-    columns["sidecar_sha256"] = np.frombuffer(b"".join(sidecar_digests), np.uint8).reshape(-1, 32)
-    for name, parts in (("name", names), ("key", keys)):
-        columns[f"{name}_bytes"] = np.frombuffer(b"".join(parts), np.uint8)
-        columns[f"{name}_end"] = np.cumsum([len(p) for p in parts], dtype="<i8")
-    return _layout(columns, len(names))
+        ints = [shard["samples"], shard["bytes"], shard["sidecar"]["bytes"]]
+        ints += [sums.get(name, 0) for name in SUMS]
+        for name, value in zip(_INTS, ints, strict=True):
+            self._files[name].write(int(value).to_bytes(8, "little", signed=True))
+        self._files["sha256"].write(bytes.fromhex(shard["sha256"]) if shard["sha256"] else _NONE)
+        self._files["sidecar_sha256"].write(bytes.fromhex(shard["sidecar"]["sha256"]))
+        keys = list(shard.get("keys") or ["", ""])
+        for column, texts in (("name", [shard["name"]]), ("key", keys)):
+            for text in texts:
+                data = text.encode("utf-8")
+                self._files[f"{column}_bytes"].write(data)
+                self._ends[column] += len(data)
+                self._files[f"{column}_end"].write(self._ends[column].to_bytes(8, "little"))
+        self.rows += 1
+
+    def finish(self, path: str) -> None:
+        """Write the table to the local file ``path``."""
+        for f in self._files.values():
+            f.close()
+        shapes = {n: [self.rows] for n in _INTS}
+        shapes.update(sha256=[self.rows, 32], sidecar_sha256=[self.rows, 32])
+        shapes.update(name_end=[self.rows], key_end=[2 * self.rows])
+        shapes.update(name_bytes=[self._ends["name"]], key_bytes=[self._ends["key"]])
+        dtypes = {**self._FIXED, "name_end": "<i8", "key_end": "<i8"}
+        dtypes.update(name_bytes="|u1", key_bytes="|u1")
+        header: dict[str, Any] = {"rows": self.rows, "columns": {}}
+        offset, sizes = 0, {}
+        for name in self._files:
+            sizes[name] = os.path.getsize(os.path.join(self._folder.name, name))
+            header["columns"][name] = {
+                "dtype": dtypes[name],
+                "shape": shapes[name],
+                "offset": offset,
+            }
+            offset += -(-sizes[name] // 64) * 64
+        text = json.dumps(header, separators=(",", ":")).encode()
+        start = -(-(len(MAGIC) + 8 + len(text)) // 64) * 64
+        with open(path, "wb") as out:
+            out.write(MAGIC + len(text).to_bytes(8, "little") + text)
+            for name in self._files:
+                out.write(bytes(start + header["columns"][name]["offset"] - out.tell()))
+                with open(os.path.join(self._folder.name, name), "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+        self._folder.cleanup()
 
 
-def _layout(columns: Mapping[str, np.ndarray], rows: int) -> bytes:
-    header: dict[str, Any] = {"rows": rows, "columns": {}}
-    offset = 0
-    for name, array in columns.items():
-        header["columns"][name] = {
-            "dtype": array.dtype.str,
-            "shape": list(array.shape),
-            "offset": offset,
-        }
-        offset += -(-array.nbytes // 64) * 64
-    text = json.dumps(header, separators=(",", ":")).encode()
-    start = -(-(len(MAGIC) + 8 + len(text)) // 64) * 64
-    out = bytearray(start + offset)
-    out[: len(MAGIC)] = MAGIC
-    out[len(MAGIC) : len(MAGIC) + 8] = len(text).to_bytes(8, "little")
-    out[len(MAGIC) + 8 : len(MAGIC) + 8 + len(text)] = text
-    for name, array in columns.items():
-        at = start + header["columns"][name]["offset"]
-        out[at : at + array.nbytes] = np.ascontiguousarray(array).tobytes()
-    return bytes(out)
+def table_bytes(shards: Iterable[Mapping[str, Any]]) -> bytes:
+    """The ``index.shards`` bytes of version-2 shard entries (a small table: tests, tools)."""
+    builder = TableBuilder()
+    for shard in shards:
+        builder.add(shard)
+    with tempfile.TemporaryDirectory() as folder:
+        builder.finish(os.path.join(folder, TABLE_NAME))
+        with open(os.path.join(folder, TABLE_NAME), "rb") as f:
+            return f.read()
 
 
 class ShardTable(Sequence):
@@ -148,11 +180,12 @@ class ShardTable(Sequence):
         }
         sums = {s: int(c[s][i]) for s in SUMS if s != "videos" or c[s][i]}
         first, last = (_text(c["key_bytes"], c["key_end"], k) for k in (2 * i, 2 * i + 1))
+        digest = c["sha256"][i].tobytes()
         return {
             "name": name,
             "samples": int(c["samples"][i]),
             "bytes": int(c["bytes"][i]),
-            "sha256": c["sha256"][i].tobytes().hex(),
+            "sha256": None if digest == _NONE else digest.hex(),
             "sidecar": sidecar,
             "sums": sums,
             "keys": [first, last] if first or last else [],
@@ -197,12 +230,22 @@ def _columns(data, where: str) -> dict[str, np.ndarray]:
     return columns
 
 
-def write_table(folder: str, shards: Sequence[Mapping[str, Any]], storage_options=None) -> dict:
-    """Publish ``index.shards`` of ``shards`` in ``folder``; return what ``index.json`` says
-    of it (``name``, ``bytes``, ``sha256``)."""
-    data = table_bytes(shards)
-    publish_bytes(data, join(folder, TABLE_NAME), storage_options)
-    return {"name": TABLE_NAME, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+def write_table(folder: str, shards: Iterable[Mapping[str, Any]], storage_options=None) -> dict:
+    """Publish ``index.shards`` of ``shards`` (taken one at a time) in ``folder``; return what
+    ``index.json`` says of it (``name``, ``bytes``, ``sha256``)."""
+    builder = TableBuilder()
+    for shard in shards:
+        builder.add(shard)
+    url = join(folder, TABLE_NAME)
+    tmp = staging_file(url, storage_options)
+    builder.finish(tmp)
+    digest, size = hashlib.sha256(), 0
+    with open(tmp, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+            size += len(block)
+    publish_file(tmp, url, storage_options)
+    return {"name": TABLE_NAME, "bytes": size, "sha256": digest.hexdigest()}
 
 
-__all__ = ["TABLE_NAME", "ShardTable", "table_bytes", "write_table"]
+__all__ = ["TABLE_NAME", "ShardTable", "TableBuilder", "table_bytes", "write_table"]

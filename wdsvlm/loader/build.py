@@ -311,7 +311,8 @@ def _name_samples_bytes(shards, a: int, b: int) -> list:
 
 def _sha256s(shards, a: int, b: int) -> list:
     if isinstance(shards, ShardTable):
-        return [row.tobytes().hex() for row in shards.columns["sha256"][a:b]]
+        rows = shards.columns["sha256"][a:b]  # 32 zero bytes: none recorded
+        return [r.tobytes().hex() if r.any() else None for r in rows]
     return [h.get("sha256") for h in shards[a:b]]
 
 

@@ -31,6 +31,17 @@ def json_object(text: str) -> dict:
     return value
 
 
+def index_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--index-version",
+        type=int,
+        choices=(2, 3),
+        default=3,
+        help="3 (default): the shards in a binary table; 2: in index.json, for readers of a "
+        "wdsvlm before version 3",
+    )
+
+
 def common_options(parser: argparse.ArgumentParser) -> None:
     loudness = parser.add_mutually_exclusive_group()
     loudness.add_argument("-v", "--verbose", action="store_true", help="log more, show tracebacks")
@@ -110,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip bad records (counted, listed in skipped.jsonl) instead of stopping",
     )
     write.add_argument("--overwrite", action="store_true", help="replace a dataset at the output")
+    index_version(write)
     write.add_argument(
         "--engine",
         choices=("local", "ray"),
@@ -129,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
         "verify", help="check every shard of a dataset against its index (size and sha256)"
     )
     verify.add_argument("source", metavar="SOURCE", help="dataset folder or URL")
+    verify.add_argument(
+        "--sample",
+        type=int,
+        metavar="N",
+        help="check N shards drawn at random (and the root index whole) instead of every one",
+    )
     common_options(verify)
 
     index = commands.add_parser(
@@ -175,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="index the good samples, count and list the bad in index-skipped.jsonl",
     )
     index.add_argument("--overwrite", action="store_true", help="replace an index at the output")
+    index_version(index)
+    index.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="PART",
+        help="merge the indexes of these datasets (folders inside SOURCE, written apart, e.g. "
+        "by several writers) into one index at SOURCE; their shards stay where they are",
+    )
     index.add_argument(
         "--upgrade",
         action="store_true",

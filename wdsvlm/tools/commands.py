@@ -39,6 +39,7 @@ def write(args: argparse.Namespace) -> None:
         skip_bad=args.skip_bad,
         overwrite=args.overwrite,
         progress=not args.quiet,
+        index_version=args.index_version,
         engine=args.engine,
         ray_address=args.ray_address,
     )
@@ -48,15 +49,32 @@ def write(args: argparse.Namespace) -> None:
 def verify(args: argparse.Namespace) -> None:
     from ..format.index import verify_dataset
 
-    index = verify_dataset(args.source, args.storage_options)
+    index = verify_dataset(args.source, args.storage_options, sample=args.sample)
     totals = index["totals"]
+    which = (
+        "every shard matches"
+        if index["checked"] == totals["shards"]
+        else f"{index['checked']} shards drawn at random match"
+    )
     print(
-        f"{args.source}: every shard matches the index "
+        f"{args.source}: {which} the index "
         f"(shards={totals['shards']} samples={totals['samples']} bytes={totals['bytes']})"
     )
 
 
 def index(args: argparse.Namespace) -> None:
+    if args.merge:
+        from ..format.merge import merge_indexes
+
+        index = merge_indexes(
+            args.source, args.merge, args.storage_options, index_version=args.index_version
+        )
+        totals = index["totals"]
+        print(
+            f"{args.source}: {len(args.merge)} datasets merged into one index "
+            f"(shards={totals['shards']} samples={totals['samples']} bytes={totals['bytes']})"
+        )
+        return
     if not args.upgrade:
         from ..write.tarindex import index_tars
 
@@ -75,6 +93,7 @@ def index(args: argparse.Namespace) -> None:
             overwrite=args.overwrite,
             storage_options=args.storage_options,
             show_progress=not args.quiet,
+            index_version=args.index_version,
         )
         print(summary)
         return

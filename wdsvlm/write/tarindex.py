@@ -26,17 +26,18 @@ from typing import Any
 from ..errors import DatasetExistsError
 from ..format.builder import (
     Totals,
+    publish_root,
     publish_sidecar,
     publish_skipped,
     refuse_bad,
     root_index,
     stops,
 )
-from ..format.index import INDEX_NAME, INDEX_SKIPPED_NAME, dumps_index
+from ..format.index import INDEX_NAME, INDEX_SKIPPED_NAME
 from ..format.layouts import LAYOUTS, Layout, detect
 from ..format.tarscan import first_samples, scan_tar
 from ..progress import progress
-from ..storage.fs import exists, join, list_names, publish_bytes, remove
+from ..storage.fs import exists, join, list_names, remove
 from .pool import process_pool
 
 log = logging.getLogger("wdsvlm.tarindex")
@@ -103,11 +104,14 @@ def index_tars(
     overwrite: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     show_progress: bool = True,
+    index_version: int = 3,
 ) -> IndexSummary:
     """Index the WebDataset tars of ``source`` (a folder or URL prefix, a brace pattern or a
     list of tar URLs) where they are, or into ``output``; see the module. ``format`` is a
     layout of ``layouts.LAYOUTS`` or ``auto``; ``prompts`` and ``prompt_seed`` set the
-    captions layout's prompts."""
+    captions layout's prompts; ``index_version`` 3 (default) or 2, as ``write_dataset``."""
+    if index_version not in (2, 3):
+        raise ValueError(f"index_version must be 2 or 3, not {index_version!r}")
     if format not in ("auto", *LAYOUTS):
         raise ValueError(f"format must be auto or one of {', '.join(LAYOUTS)}, not {format!r}")
     started = time.perf_counter()
@@ -159,7 +163,7 @@ def index_tars(
     if output != folder:  # absolute: the index may be read from anywhere
         shard_root = folder if "://" in folder else os.path.abspath(folder)
     index = root_index(shards, totals, skipped, layout=layout.to_dict(), shard_root=shard_root)
-    publish_bytes(dumps_index(index), index_url, storage_options)
+    publish_root(output, index, storage_options, index_version)
     if bad:
         log.warning(
             "skipped %d bad samples (%s); listed in %s", len(bad), dict(skipped), skipped_url

@@ -22,11 +22,18 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DatasetExistsError, InputError
-from ..format.builder import Totals, publish_skipped, refuse_bad, root_index, stops
-from ..format.index import INDEX_NAME, SKIPPED_NAME, dumps_index
+from ..format.builder import (
+    Totals,
+    publish_root,
+    publish_skipped,
+    refuse_bad,
+    root_index,
+    stops,
+)
+from ..format.index import INDEX_NAME, SKIPPED_NAME
 from ..format.tarball import BLOCK
 from ..progress import progress
-from ..storage.fs import exists, join, list_names, publish_bytes, remove
+from ..storage.fs import exists, join, list_names, remove
 from .inputs import FORMATS, expand_inputs
 from .shards import plan_shards, write_shard
 
@@ -59,6 +66,9 @@ class WriteOptions:
     """Replace a dataset already at the output."""
     progress: bool = True
     """Show progress bars."""
+    index_version: int = 3
+    """The layout of the root index: 3 (the shards in a binary table, ``index.shards``), or 2
+    (every shard in ``index.json``, for readers of a wdsvlm before version 3)."""
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -69,6 +79,8 @@ class WriteOptions:
             raise ValueError(f"max_shard_bytes is too small: {self.max_shard_bytes}")
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, not {self.workers}")
+        if self.index_version not in (2, 3):
+            raise ValueError(f"index_version must be 2 or 3, not {self.index_version!r}")
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_-]*", self.prefix):
             raise ValueError(
                 f"prefix {self.prefix!r}: use letters, digits, '_' and '-' "
@@ -188,7 +200,7 @@ def write_dataset(
             "skipped %d bad records (%s); listed in %s", len(bad), dict(skipped), skipped_url
         )
     index = root_index(shards, totals, skipped, prefix=opts.prefix)
-    publish_bytes(dumps_index(index), index_url, storage_options)
+    publish_root(output, index, storage_options, opts.index_version)
     keep = {s["name"] for s in shards} | {s["sidecar"]["name"] for s in shards}
     _remove_stale_shards(output, opts.prefix, keep, storage_options)
     totals = index["totals"]
