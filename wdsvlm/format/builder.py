@@ -9,6 +9,8 @@ upgraded here too: their shards get the sidecars a version-2 index names.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -109,8 +111,36 @@ class Totals:
         self.sources.update(other.sources)
 
 
+class SpilledShards:
+    """Shards' root entries as they are written, kept in a temporary file rather than in
+    memory (a million shards would be a gigabyte of dicts), read back in order as often as
+    asked. ``len()`` and ``bytes`` are counted as they come."""
+
+    def __init__(self):
+        self._file = tempfile.TemporaryFile()
+        self.count = self.bytes = 0
+
+    def append(self, shard: Mapping[str, Any]) -> None:
+        self._file.seek(0, os.SEEK_END)
+        self._file.write(json.dumps(shard, separators=(",", ":")).encode() + b"\n")
+        self.count += 1
+        self.bytes += shard["bytes"]
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self):
+        self._file.flush()
+        self._file.seek(0)
+        for line in self._file:
+            yield json.loads(line)
+
+    def close(self) -> None:
+        self._file.close()
+
+
 def root_index(
-    shards: list[dict],
+    shards: list[dict] | SpilledShards,
     totals: Totals,
     skipped: Mapping[str, int],
     *,
@@ -130,7 +160,9 @@ def root_index(
     index["totals"] = {
         "shards": len(shards),
         "samples": totals.samples,
-        "bytes": sum(s["bytes"] for s in shards),
+        "bytes": shards.bytes
+        if isinstance(shards, SpilledShards)
+        else sum(s["bytes"] for s in shards),
         "images": totals.images,
         "text_only": totals.text_only,
         "multi_image": totals.multi_image,

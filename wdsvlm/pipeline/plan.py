@@ -9,9 +9,11 @@ its share: a contiguous block of that order, read in order. The split is by samp
 shard count works with any worker count, and a sample's place ``[pass, place]`` means the same
 sample on any topology: that is what lets a checkpoint resume on another one.
 
-The order is built from chunks: runs of neighbouring samples of a shard of about
-``span_bytes`` (from the shard's sample count and bytes) and at most ``span_samples``
-samples, visited in seeded random order, the samples of each visit in seeded random order.
+The order is built from chunks: runs of about ``span_bytes`` of neighbouring samples and at
+most ``span_samples`` samples, visited in a keyed random order, the samples of each visit in a
+keyed random order of their own. Plan version 3 (``keyed.py``) computes any place's visit from
+closed forms, so a worker plans its block alone; version 2 (``order.PassOrder``, chunks within
+one shard, the whole pass's visits shuffled in every worker) is kept to resume runs saved then.
 A worker reads each visit with one ranged read (a few, where it takes only a sparse part of
 it), several at once (``ReadSamples``).
 The chunk's size trades I/O for mixing: a shuffle buffer of ``B`` samples fed chunk by chunk

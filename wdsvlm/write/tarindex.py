@@ -25,6 +25,7 @@ from typing import Any
 
 from ..errors import DatasetExistsError
 from ..format.builder import (
+    SpilledShards,
     Totals,
     publish_root,
     publish_sidecar,
@@ -139,12 +140,11 @@ def index_tars(
         bar = progress(
             mapped, enabled=show_progress, total=len(urls), desc="indexing", unit=" tars"
         )
-        results = list(bar)
-    shards = [shard for shard, _, _ in results]
-    bad = [b for _, _, found in results for b in found]
-    totals = Totals()
-    for _, counted, _ in results:
-        totals.update(counted)
+        shards, bad, totals = SpilledShards(), [], Totals()  # memory: not a row a shard
+        for shard, counted, found in bar:
+            shards.append(shard)
+            bad += found
+            totals.update(counted)
     skipped_url = join(output, INDEX_SKIPPED_NAME)
     skipped = publish_skipped(bad, skipped_url, storage_options)
     if stops(bad, totals.samples, skip_bad):

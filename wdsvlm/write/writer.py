@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DatasetExistsError, InputError
 from ..format.builder import (
+    SpilledShards,
     Totals,
     publish_root,
     publish_skipped,
@@ -201,8 +202,8 @@ def write_dataset(
         )
     index = root_index(shards, totals, skipped, prefix=opts.prefix)
     publish_root(output, index, storage_options, opts.index_version)
-    keep = {s["name"] for s in shards} | {s["sidecar"]["name"] for s in shards}
-    _remove_stale_shards(output, opts.prefix, keep, storage_options)
+    _remove_stale_shards(output, opts.prefix, len(shards), storage_options)
+    shards.close()
     totals = index["totals"]
     return WriteSummary(
         output=output,
@@ -223,7 +224,7 @@ def _write_shards(run: Engine, checked: Iterator, output: str, opts: WriteOption
     bad records and the number of good ones (written or only checked). Once a bad record is
     seen without ``skip_bad`` nothing more is written (the rest is only checked, so that
     every bad record is reported)."""
-    totals, bad, shards = Totals(), [], []
+    totals, bad, shards = Totals(), [], SpilledShards()
     n_good = 0  # good records, written or (after a bad one, without skip_bad) only checked
     write = partial(write_shard, output=output, prefix=opts.prefix, storage_options=storage_options)
 
@@ -244,7 +245,8 @@ def _write_shards(run: Engine, checked: Iterator, output: str, opts: WriteOption
         in_flight.append(run.apply_async(write, (plan,)))
         while len(in_flight) >= 2 * opts.workers:
             shards.append(in_flight.pop(0).get())
-    shards += [job.get() for job in in_flight]
+    for job in in_flight:
+        shards.append(job.get())
     return shards, totals, bad, n_good
 
 
@@ -276,11 +278,12 @@ def _refuse_bad(bad: list[InputError], good: int, skip_bad: bool, inputs: list) 
     )
 
 
-def _remove_stale_shards(output: str, prefix: str, keep: set[str], storage_options) -> None:
-    """Shards (and sidecars) of this prefix that the new index does not list are left-overs:
-    remove them."""
-    pattern = re.compile(re.escape(prefix) + r"-\d{6,}\.(tar|idx)")
+def _remove_stale_shards(output: str, prefix: str, count: int, storage_options) -> None:
+    """Shards (and sidecars) of this prefix that the new index of ``count`` shards (numbered
+    from 0) does not list are left-overs: remove them."""
+    pattern = re.compile(re.escape(prefix) + r"-(\d{6,})\.(tar|idx)")
     for name in list_names(output, storage_options):
-        if pattern.fullmatch(name) and name not in keep:
+        found = pattern.fullmatch(name)
+        if found and int(found.group(1)) >= count:
             log.info("removing %s: left over from an earlier write, not in the new index", name)
             remove(join(output, name), storage_options)
