@@ -162,7 +162,7 @@ def test_a_mixture_of_an_index_version_1_and_a_version_2_dataset(datasets):
     vqa, _ = datasets
     from .conftest import EXAMPLE
 
-    assert wdsvlm.load_index(EXAMPLE)["version"] == 1 and wdsvlm.load_index(vqa)["version"] == 3
+    assert wdsvlm.load_index(EXAMPLE)["version"] == 1 and wdsvlm.load_index(vqa)["version"] == 2
     sources = [Source(EXAMPLE, repeat=0.5, name="ex"), Source(vqa, repeat=2.0)]
     loader, seen, _, _ = run(sources, 3, max_length=1024)
     assert not loader.stats()["dropped"]

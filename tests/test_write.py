@@ -117,7 +117,7 @@ def test_index_describes_shards_images_and_texts(llava_input, tmp_path):
     out = str(tmp_path / "ds")
     write_dataset(path, out, image_root=root, samples_per_shard=5, progress=False)
     index = load_index(out)
-    assert (index["format"], index["version"]) == ("wdsvlm", 2)
+    assert (index["format"], index["version"]) == ("wdsvlm", 3)
     assert [s["name"] for s in index["shards"]] == [f"data-{i:06d}.tar" for i in range(3)]
     for shard in index["shards"]:
         data = read_image_bytes(os.path.join(out, shard["name"]))
@@ -132,7 +132,7 @@ def test_index_describes_shards_images_and_texts(llava_input, tmp_path):
         assert shard["sums"]["chars"] == sum(sum(e["chars"]) for e in listed)
         assert shard["keys"] == [listed[0]["key"], listed[-1]["key"]]
     root = json.load(open(os.path.join(out, "index.json")))
-    assert all("entries" not in s for s in root["shards"])  # one entry per shard
+    assert "shards" not in root and root["table"]["name"] == "index.shards"  # a row a shard
     entries = [e for s in index["shards"] for e in s["entries"]]
     assert [e["chars"] for e in entries] == [
         [len(m["content"]) for m in json.loads(s["json"])["messages"]]
@@ -162,7 +162,7 @@ def test_workers_1_and_3_write_identical_datasets(llava_input, tmp_path):
     one, three = str(tmp_path / "w1"), str(tmp_path / "w3")
     write_dataset(path, one, image_root=root, samples_per_shard=2, workers=1, progress=False)
     write_dataset(path, three, image_root=root, samples_per_shard=2, workers=3, progress=False)
-    assert len(os.listdir(three)) == 13  # 6 shards, their 6 sidecars and the index
+    assert len(os.listdir(three)) == 14  # 6 shards, their 6 sidecars, the table and the index
     assert files_of(one) == files_of(three)
 
 
@@ -280,7 +280,12 @@ def test_existing_dataset_is_kept_unless_overwrite(llava_input, cauldron_input, 
     assert files_of(out) == before
     write_dataset(cpath, out, image_root=croot, overwrite=True, progress=False)
     # stale shards and their sidecars removed
-    assert sorted(os.listdir(out)) == ["data-000000.idx", "data-000000.tar", "index.json"]
+    assert sorted(os.listdir(out)) == [
+        "data-000000.idx",
+        "data-000000.tar",
+        "index.json",
+        "index.shards",
+    ]
     assert len(stream(out)) == 3
 
 

@@ -29,7 +29,7 @@ from .index import (
     sidecar_entry,
 )
 from .sidecar import pack_entries, sidecar_name
-from .table import write_table
+from .table import TABLE_NAME, write_table
 
 
 def sample_entry(
@@ -196,6 +196,8 @@ def publish_root(
     else:
         root.update(version=version, shards=list(root["shards"]))
     publish_bytes(dumps_index(root), join(output, INDEX_NAME), storage_options)
+    if version < 3:  # a table an earlier index of version 3 left there
+        remove(join(output, TABLE_NAME), storage_options)
 
 
 def publish_skipped(
