@@ -116,6 +116,17 @@ def test_a_worker_plans_its_block_without_the_pass():
     a, b = order.bounds(x)
     assert a <= start < b and b - a <= 17
     assert order.entry_at(start)[1] < 1_000_000
+    # and in a mixture with a small source read 2.5 times a pass
+    small = source(fake_index([1000] * 1000, sample_bytes=1_000), "small", copies=2, extra=500_000)
+    mixed = KeyedOrder([big, small], 0, 3, 2**20, 32)
+    assert mixed.size == 10**9 + 2_500_000
+    for first in (0, 123_456_789, mixed.size - 200_000):  # any 200,000 places hold its share
+        x, shares = mixed.visit_at(first), Counter()
+        while mixed.bounds(x)[0] < first + 200_000:
+            a, b = mixed.bounds(x)
+            shares[mixed.interleave.source_of(x)[0]] += b - a
+            x += 1
+        assert abs(shares[1] / sum(shares.values()) - 2_500_000 / mixed.size) < 0.0005
 
 
 def test_a_state_saved_under_plan_version_2_is_refused_naming_it_and_resumes_with_it():
