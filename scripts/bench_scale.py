@@ -145,6 +145,7 @@ def training_process(folder: str, dump: str) -> dict:
     now = memory()
     return {
         "seconds": seconds,
+        "peak_mb": now["VmHWM"],
         "beyond_mb": now["VmHWM"] - base,
         "mapped_mb": now["table"],
         "batches": len(loader),
@@ -199,6 +200,7 @@ def worker_process(dump: str, slot: int) -> dict:
     now = memory()
     return {
         "seconds": time.perf_counter() - start,
+        "peak_mb": now["VmHWM"],
         "beyond_mb": now["VmHWM"] - base,
         "mapped_mb": now["table"],
         "span": f"{span['shard']} {len(span['entries'])} samples",
@@ -248,12 +250,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, nargs="+", default=[10**6, 10**7, 10**8, 10**9])
     parser.add_argument("--version", type=int, choices=(2, 3), default=3, help="index version")
+    parser.add_argument("--no-root", action="store_true", help="leave out the root's writing")
     parser.add_argument("--out", default="/tmp/wdsvlm-scale")
     args = parser.parse_args()
     print(f"rank {RANK} of {WORLD}, {WORKERS} workers; shards of {PER_SHARD} samples")
     print(
-        f"{'samples':>13} {'index':>9} {'Loader()':>9} {'beyond':>8} {'table':>7} "
-        f"{'worker 1st span':>16} {'beyond':>8} {'table':>7}"
+        f"{'samples':>13} {'index':>9} {'Loader()':>9} {'peak':>7} {'beyond':>7} {'table':>7} "
+        f"{'worker 1st span':>16} {'peak':>7} {'beyond':>7} {'table':>7}"
     )
     for n in args.samples:
         folder = make(args.out, n, version=args.version)
@@ -267,13 +270,14 @@ def main() -> None:
         workers = [in_fresh_process("--worker", dump, str(w)) for w in range(WORKERS)]
         print(
             f"{n:>13,} {size / 1e6:>7.1f}MB {main_run['seconds']:>8.2f}s "
-            f"{main_run['beyond_mb']:>6.0f}MB {main_run['mapped_mb']:>5.0f}MB "
-            f"{max(w['seconds'] for w in workers):>15.2f}s "
-            f"{max(w['beyond_mb'] for w in workers):>6.0f}MB "
+            f"{main_run['peak_mb']:>5.0f}MB {main_run['beyond_mb']:>5.0f}MB "
+            f"{main_run['mapped_mb']:>5.0f}MB {max(w['seconds'] for w in workers):>15.2f}s "
+            f"{max(w['peak_mb'] for w in workers):>5.0f}MB "
+            f"{max(w['beyond_mb'] for w in workers):>5.0f}MB "
             f"{max(w['mapped_mb'] for w in workers):>5.0f}MB",
             flush=True,
         )
-    for n in args.samples:
+    for n in [] if args.no_root else args.samples:
         run = in_fresh_process("--root", str(n // PER_SHARD))
         print(
             f"root index of {n // PER_SHARD:,} shards written in {run['seconds']:.1f} s "

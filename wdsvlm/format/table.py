@@ -164,6 +164,25 @@ class ShardTable(Sequence):
     def name(self, i: int) -> str:
         return _text(self.columns["name_bytes"], self.columns["name_end"], i)
 
+    def names(self, a: int, b: int) -> list[str]:
+        """The names of shards ``a`` to ``b`` (a few bytes a shard, without a row each)."""
+        ends = self.columns["name_end"]
+        first = int(ends[a - 1]) if a else 0
+        stops = ends[a:b].tolist()
+        blob = self.columns["name_bytes"][first : stops[-1] if stops else first].tobytes()
+        out, start = [], 0
+        for stop in stops:
+            out.append(blob[start : stop - first].decode("utf-8"))
+            start = stop - first
+        return out
+
+    def sha256s(self, a: int, b: int) -> list[str | None]:
+        """The sha256 (hex) of shards ``a`` to ``b``, None where the index has none."""
+        rows = self.columns["sha256"][a:b]
+        text = rows.tobytes().hex()
+        none = (~rows.any(axis=1)).tolist()
+        return [None if n else text[64 * i : 64 * i + 64] for i, n in enumerate(none)]
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]

@@ -304,15 +304,14 @@ def shards_sha256(plan: Plan) -> str:
 
 def _name_samples_bytes(shards, a: int, b: int) -> list:
     if isinstance(shards, ShardTable):
-        counts, sizes = shards.samples[a:b].tolist(), shards.bytes[a:b].tolist()
-        return [[shards.name(i), counts[i - a], sizes[i - a]] for i in range(a, b)]
+        columns = (shards.names(a, b), shards.samples[a:b].tolist(), shards.bytes[a:b].tolist())
+        return list(zip(*columns, strict=True))  # JSON writes a tuple as a list
     return [[h["name"], h["samples"], h.get("bytes")] for h in shards[a:b]]
 
 
 def _sha256s(shards, a: int, b: int) -> list:
     if isinstance(shards, ShardTable):
-        rows = shards.columns["sha256"][a:b]  # 32 zero bytes: none recorded
-        return [r.tobytes().hex() if r.any() else None for r in rows]
+        return shards.sha256s(a, b)
     return [h.get("sha256") for h in shards[a:b]]
 
 
