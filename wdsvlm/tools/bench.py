@@ -134,7 +134,9 @@ def side_by_side(
     from ..pipeline.sources import resolve_source
 
     index, urls = resolve_source(source, storage_options)
-    samples = sum(shard["samples"] for shard in index["shards"])
+    shards = index["shards"]
+    counts = getattr(shards, "samples", None)  # a shard table's column, else each entry's
+    samples = int(counts.sum()) if counts is not None else sum(s["samples"] for s in shards)
     total = samples if limit is None else min(limit, samples)
     naive_workers = min(workers, len(urls))
     results = {}

@@ -38,30 +38,32 @@ def pick_entries(
     the first ``n`` samples. An unknown key is a ``ValueError`` naming it. Only the sidecars
     of the shards needed are read (for a key: those whose first and last keys, in the root
     index of version 2, bracket it; all, if it is not found there)."""
-    shards = list(zip(index["shards"], urls, strict=True))
+
+    def every():  # shard by shard, never a list of them all (a million rows at 1B samples)
+        return zip(index["shards"], urls, strict=True)
 
     def among(chosen):
         return ((url, s["name"], e) for s, url in chosen for e in s["entries"])
 
     if not keys:
-        return list(itertools.islice(among(shards), n))
+        return list(itertools.islice(among(every()), n))
     where: dict[str, tuple] = {}
     for key in keys:
         if key in where:
             continue
         bracketing = [
             (s, url)
-            for s, url in shards
+            for s, url in every()
             if len(s.get("keys", [])) == 2 and s["keys"][0] <= key <= s["keys"][1]
         ]
-        for chosen in (bracketing, shards):
+        for chosen in (bracketing, every()):
             found = next(((u, name, e) for u, name, e in among(chosen) if e["key"] == key), None)
             if found is not None:
                 where[key] = found
                 break
     missing = [k for k in keys if k not in where]
     if missing:
-        some = ", ".join(e["key"] for _, _, e in itertools.islice(among(shards), 3))
+        some = ", ".join(e["key"] for _, _, e in itertools.islice(among(every()), 3))
         raise ValueError(
             f"no sample with key {', '.join(missing)} in the dataset (keys look like {some})"
         )
