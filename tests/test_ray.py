@@ -125,8 +125,8 @@ def suite(inputs):
 
 def test_ray_writes_the_local_writers_bytes_for_any_number_of_workers(inputs, suite):
     _, _, local = inputs
-    assert local["json"]["index.json"]  # 20 shards, their sidecars and the index
-    assert len(local["json"]) == 41 and len(local["parquet"]) == 41
+    assert local["json"]["index.json"]  # 20 shards, their sidecars, the table and the index
+    assert len(local["json"]) == 42 and len(local["parquet"]) == 42
     for cpus in (1, 2):
         assert suite[f"ray{cpus}-json"] == local["json"], cpus
         assert suite[f"ray{cpus}-parquet"] == local["parquet"], cpus

@@ -471,8 +471,8 @@ def test_a_resumed_epoch_goes_on_exactly_whatever_the_start_method():
     untokenized), spawned workers give every batch forked workers give."""
     import torch
 
-    settings = dict(SMALL, truncate=True, batches_per_epoch=8, shuffle_buffer=40, pack_window=30)
-    settings["span_samples"] = None  # whole shards a chunk: the resumed batches truncate
+    settings = dict(SMALL, truncate=True, batches_per_epoch=12, shuffle_buffer=40, pack_window=30)
+    settings["span_samples"] = None  # chunks of 64 samples: the resumed batches truncate
     first = wdsvlm.Loader(EXAMPLE, TOKENIZER, num_workers=2, **settings)
     batches = iter(first)
     for _ in range(3):
@@ -488,7 +488,7 @@ def test_a_resumed_epoch_goes_on_exactly_whatever_the_start_method():
         runs.append(list(loader))
         assert loader.stats()["truncated"] > 0
     spawned, forked = runs
-    assert len(spawned) == len(forked) == 5
+    assert len(spawned) == len(forked) == 9
     for ours, theirs in zip(spawned, forked, strict=True):
         assert ours["sample_keys"] == theirs["sample_keys"]
         for name, value in ours.items():

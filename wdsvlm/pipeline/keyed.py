@@ -136,6 +136,8 @@ class _SourcePass:
     def __init__(self, number, source, seed, pass_, m, copies, extra, start, ordered):
         self.number, self.n, self.m, self.ordered = number, source.size, m, ordered
         self.copies, self.extra, self.start = copies, extra, start
+        if not self.n:  # a bijection of nothing would walk for ever
+            raise ValueError(f"{source.name}: the dataset has no samples")
         self._key = (seed, pass_, number)
         self._laps: OrderedDict[int, _Chunks] = OrderedDict()
         rotation = Bijection(self._count, "extra", seed, number, source.name, identity=ordered)
