@@ -109,17 +109,6 @@ class TableBuilder:
         self._folder.cleanup()
 
 
-def table_bytes(shards: Iterable[Mapping[str, Any]]) -> bytes:
-    """The ``index.shards`` bytes of version-2 shard entries (a small table: tests, tools)."""
-    builder = TableBuilder()
-    for shard in shards:
-        builder.add(shard)
-    with tempfile.TemporaryDirectory() as folder:
-        builder.finish(os.path.join(folder, TABLE_NAME))
-        with open(os.path.join(folder, TABLE_NAME), "rb") as f:
-            return f.read()
-
-
 class ShardTable(Sequence):
     """The shards of a version-3 index: ``table[i]`` is shard ``i``'s entry as version 2 gives
     it (its ``entries`` from its sidecar when first asked for), made when asked for; columns as
@@ -267,4 +256,4 @@ def write_table(folder: str, shards: Iterable[Mapping[str, Any]], storage_option
     return {"name": TABLE_NAME, "bytes": size, "sha256": digest.hexdigest()}
 
 
-__all__ = ["TABLE_NAME", "ShardTable", "TableBuilder", "table_bytes", "write_table"]
+__all__ = ["TABLE_NAME", "ShardTable", "TableBuilder", "write_table"]

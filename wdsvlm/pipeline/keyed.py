@@ -140,9 +140,9 @@ class _SourcePass:
             raise ValueError(f"{source.name}: the dataset has no samples")
         self._key = (seed, pass_, number)
         self._laps: OrderedDict[int, _Chunks] = OrderedDict()
-        rotation = Bijection(self._count, "extra", seed, number, source.name, identity=ordered)
+        self.count = c = -(-self.n // m)  # chunks
+        rotation = Bijection(c, "extra", seed, number, source.name, identity=ordered)
         self.rotation = _Chunks(self.n, m, rotation)
-        c = self._count
         if extra:
             self.first = self.rotation.position(start)  # unwrapped positions of the window
             last = start + extra - 1
@@ -151,26 +151,22 @@ class _SourcePass:
         else:
             self.visits = copies * c
 
-    @property
-    def _count(self) -> int:
-        return -(-self.n // self.m)
-
     def lap(self, k: int) -> _Chunks:
         chunks = self._laps.get(k)
         if chunks is None:
-            order = Bijection(self._count, "lap", *self._key, k, identity=self.ordered)
+            order = Bijection(self.count, "lap", *self._key, k, identity=self.ordered)
             chunks = self._laps[k] = _Chunks(self.n, self.m, order)
             while len(self._laps) > 4:
                 self._laps.popitem(last=False)
         return chunks
 
     def _unwrapped(self, i: int) -> int:
-        c = self._count
+        c = self.count
         return self.n * (i // c) + self.rotation.begin(i % c)
 
     def begin(self, j: int) -> int:
         """Samples of this source before its visit ``j`` (0 ..visits)."""
-        c = self._count
+        c = self.count
         if j <= self.copies * c:
             k, i = divmod(j, c)
             return k * self.n + (self.lap(k).begin(i) if i else 0)
@@ -181,7 +177,7 @@ class _SourcePass:
 
     def samples(self, j: int) -> tuple[int, int]:
         """The source's samples ``[a, b)`` of visit ``j`` (a chunk, or part of one)."""
-        c = self._count
+        c = self.count
         if j < self.copies * c:
             return self.lap(j // c).samples(j % c)
         i = self.first + j - self.copies * c
