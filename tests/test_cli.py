@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import sys
 
@@ -88,6 +90,33 @@ def test_usage_errors_exit_2(argv, message, capsys, tmp_path, monkeypatch):
         raise SystemExit(code)
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_stats_batch_size_is_a_deprecated_name_of_naive_batch_size(capsys, caplog):
+    """``wdsvlm stats --batch-size`` (samples per naive batch) still works, under its new name
+    ``--naive-batch-size`` (the Loader's ``batch_size`` counts packed rows), with a warning."""
+    from wdsvlm.tools.arguments import build_parser
+    from wdsvlm.tools.commands import naive_batch_size
+
+    def parse(*options: str):
+        return build_parser().parse_args(["stats", EXAMPLE, "--max-length", "256", *options])
+
+    with caplog.at_level(logging.WARNING, logger="wdsvlm"):
+        assert naive_batch_size(parse()) == 8
+        assert naive_batch_size(parse("--naive-batch-size", "4")) == 4
+        assert caplog.records == []
+        assert naive_batch_size(parse("--batch-size", "4")) == 4
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "--batch-size is deprecated, use --naive-batch-size" in caplog.text
+    with pytest.raises(ValueError, match="disagree"):
+        naive_batch_size(parse("--batch-size", "4", "--naive-batch-size", "2"))
+    # the whole command, under its old spelling
+    tokenizer = os.path.join(EXAMPLE, "tokenizer")
+    argv = ["stats", EXAMPLE, "--tokenizer", tokenizer, "--max-length", "256", "--limit", "8"]
+    small = ["--tile-size", "128", "--max-image-side", "256", "--tokens-per-tile", "16"]
+    assert main([*argv, *small, "--batch-size", "4", "--json", "-q"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["naive_batch_size"] == found["batch_size"] == 4 and found["samples"] == 8
 
 
 def test_byte_sizes_read_with_binary_units():

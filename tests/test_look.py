@@ -146,7 +146,7 @@ def test_stats_counts_drops_and_padding(tmp_path, naive_lengths):
     out = str(tmp_path / "pictures")
     run = wdsvlm(
         "stats", EXAMPLE, "--tokenizer", TOKENIZER, "--max-length", str(max_length),
-        "--batch-size", "4", "--out", out, "--json", "-q", *SMALL,
+        "--naive-batch-size", "4", "--out", out, "--json", "-q", *SMALL,
     )  # fmt: skip
     assert "reading" not in run.stderr  # -q: no progress bar
     found = json.loads(run.stdout)

@@ -253,11 +253,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stats.add_argument("--max-length", type=positive, required=True, metavar="L")
     stats.add_argument(
-        "--batch-size",
+        "--naive-batch-size",
         type=positive,
-        default=8,
         metavar="B",
-        help="samples per naive batch (default 8)",
+        help="samples per naive pad-to-longest batch, the comparison (default 8; not the "
+        "Loader's batch_size, which counts packed rows)",
+    )
+    stats.add_argument(
+        "--batch-size",
+        dest="old_batch_size",
+        type=positive,
+        metavar="B",
+        help="the old name of --naive-batch-size (deprecated: it logs a warning)",
     )
     stats.add_argument("--limit", type=positive, metavar="N", help="read only N samples")
     stats.add_argument(

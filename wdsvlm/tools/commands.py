@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+
+log = logging.getLogger("wdsvlm.tools")
 
 
 def image_config(args: argparse.Namespace):
@@ -136,12 +139,28 @@ def inspect(args: argparse.Namespace) -> None:
         print(f"contact sheet of {len(views)} samples: {args.out} ({width}x{height})")
 
 
+def naive_batch_size(args: argparse.Namespace) -> int:
+    """``stats``'s samples per naive batch: ``--naive-batch-size``, or its old name
+    ``--batch-size`` (with a warning: the Loader's ``batch_size`` counts packed rows), or 8."""
+    new, old = args.naive_batch_size, args.old_batch_size
+    if old is None:
+        return 8 if new is None else new
+    if new is not None and new != old:
+        raise ValueError(f"--batch-size {old} and --naive-batch-size {new} disagree: give one")
+    log.warning(
+        "wdsvlm stats: --batch-size is deprecated, use --naive-batch-size (samples per naive "
+        "batch; the Loader's batch_size counts packed rows)"
+    )
+    return old
+
+
 def stats(args: argparse.Namespace) -> None:
     from .bench_processor import bench_processor
     from .dataset_stats import dataset_stats
 
     if (args.tokenizer is None) == (args.processor is None):
         raise ValueError("give --tokenizer T or --processor P (one of them)")
+    naive = naive_batch_size(args)
     if args.out:
         from .pictures import pyplot
 
@@ -151,7 +170,7 @@ def stats(args: argparse.Namespace) -> None:
         args.tokenizer,
         processor=None if args.processor is None else bench_processor(args.processor),
         max_length=args.max_length,
-        batch_size=args.batch_size,
+        batch_size=naive,
         limit=args.limit,
         max_tiles_per_pack=args.max_tiles_per_pack,
         **reading_options(args),
@@ -165,7 +184,7 @@ def stats(args: argparse.Namespace) -> None:
         os.makedirs(args.out, exist_ok=True)
         paths = histograms(found.tokens, found.tiles, args.max_length, args.out)
         paths.append(os.path.join(args.out, "batches.png"))
-        batch_picture(found.picture, args.max_length, args.batch_size, paths[-1])
+        batch_picture(found.picture, args.max_length, naive, paths[-1])
     if args.json:
         print(json.dumps({**found.as_dict(), "pictures": paths}, indent=2))
         return

@@ -69,7 +69,8 @@ class DatasetStats:
         return {
             "source": self.source,
             "max_length": self.max_length,
-            "batch_size": self.batch_size,
+            "naive_batch_size": self.batch_size,
+            "batch_size": self.batch_size,  # its old name
             "samples": self.samples,
             "images": self.images,
             **({"videos": self.videos} if self.videos.get("videos") else {}),
