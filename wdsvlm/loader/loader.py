@@ -40,10 +40,10 @@ class Loader:
     ``weight``) or a mixture file (``.yaml``, ``.json``); see ``sources.py``.
     ``tokenizer``: a Hugging Face tokenizer, or a name/path for ``AutoTokenizer``; or instead
     ``processor``: a Hugging Face processor of a supported model family (Qwen2/2.5/3-VL,
-    SmolVLM, Idefics3), whose image sizes, image tokens and chat template are then used, and
-    whose batches ``wdsvlm.model_inputs`` turns into the model's forward arguments. With a
-    processor, ``max_tiles_per_pack`` is the vision budget in the family's units (patches
-    for the Qwen family, tiles for SmolVLM).
+    SmolVLM, Idefics3, LLaVA-OneVision), whose image sizes, image tokens and chat template are
+    then used, and whose batches ``wdsvlm.model_inputs`` turns into the model's forward
+    arguments. With a processor, ``max_tiles_per_pack`` is the vision budget in the family's
+    units (patches for the Qwen family, tiles for SmolVLM, crops for LLaVA-OneVision).
     ``storage_options`` go to fsspec; ``read_policy`` (``wdsvlm.ReadPolicy``) sets the block
     size, retries, backoff and timeout of ranged reads, ``read_ahead`` how many spans each
     worker reads at once, and ``on_shard_error="skip"`` reports an unreadable shard's samples as
