@@ -140,3 +140,110 @@ def test_cli_page_documents_every_option(command):
     assert options, command
     missing = sorted(o for o in options if f"`{o}" not in pages and f"[{o}" not in pages)
     assert missing == [], f"wdsvlm {command}: options missing from the docs"
+
+
+# The pages of a user's path: what a user does and gets, without the project's history.
+USER_PAGES = ["README.md"] + [
+    os.path.join("docs", name)
+    for name in (
+        "loading.md families.md trainers.md training.md multi-node.md evaluation.md "
+        "troubleshooting.md writing.md mixtures.md video.md storage.md ray-workers.md ray.md "
+        "format.md cli.md"
+    ).split()
+]
+SHORT_SENTENCE_PAGES = ["README.md", "docs/loading.md", "docs/families.md", "docs/trainers.md"]
+
+_NUMBER = r"\d[\d,]*(?:\.\d+)?"
+_UNIT = r"(?:x(?![A-Za-z])|%|\s?(?:µs|ms|s|MB|GB|kB)(?![A-Za-z]))"
+_FIGURE = re.compile(rf"(?<![\w.])({_NUMBER})(?:\s?[-–]\s?({_NUMBER}))?({_UNIT})?")
+
+
+def figures(text: str) -> set[tuple[str, str]]:
+    """The numbers of a text, each with its unit (``x``, ``%``, ``s``, ``MB``, ...; ``""`` for
+    none): ``"3.19-3.27x"`` gives ``("3.19", "x")`` and ``("3.27", "x")``."""
+    found = set()
+    for match in _FIGURE.finditer(text):
+        unit = (match.group(3) or "").strip()
+        for number in match.group(1, 2):
+            if number:
+                found.add((number.rstrip(",").replace(",", ""), unit))
+    return found
+
+
+def section(markdown: str, heading: str) -> str:
+    return markdown.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def figures_missing_from_the_performance_page(readme: str) -> list[tuple[str, str]]:
+    measured = figures(read("docs/performance.md"))
+    bare = {number for number, _ in measured}
+    cited = figures(section(readme, "## Performance"))
+    return sorted((n, u) for n, u in cited if ((n, u) not in measured if u else n not in bare))
+
+
+def test_readme_numbers_match_the_performance_page():
+    """Every figure of the README's Performance section is on docs/performance.md, with its
+    unit: a README that rounds, or keeps a number the page has replaced, fails."""
+    readme = read("README.md")
+    assert len(figures(section(readme, "## Performance"))) > 20
+    assert figures_missing_from_the_performance_page(readme) == []
+    for old, new in [("**1.51x**", "**1.52x**"), ("0.75 s", "0.8 s"), ("39 MB", "38 MB")]:
+        assert old in readme
+        changed = figures_missing_from_the_performance_page(readme.replace(old, new, 1))
+        assert changed == [tuple(figures(new))[0]], (old, new)
+
+
+def prose_sentences(markdown: str) -> list[str]:
+    """The sentences of a page's prose: code blocks left out, links read as their text, each
+    table cell and list item apart, split where a sentence ends."""
+    text = re.sub(r"^```.*?^```[^\n]*$", "", markdown, flags=re.M | re.S)
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    pieces = []
+    for block in re.split(r"\n\s*\n", text):
+        lines = block.splitlines()
+        if lines and all(line.lstrip().startswith("|") for line in lines):
+            cells = [cell for line in lines for cell in line.strip().strip("|").split("|")]
+            pieces += [cell for cell in cells if not set(cell) <= set("-: ")]
+        else:
+            pieces += re.split(r"\n\s*(?:[-*]|\d+\.)\s+|^\s*(?:[-*]|\d+\.)\s+", block)
+    sentences = []
+    for piece in pieces:
+        piece = " ".join(piece.split())
+        if piece and not piece.startswith("#"):
+            sentences += re.split(r"(?:(?<=[.!?])|(?<=[.!?]\)))\s+(?=[A-Z(`*\[\"'])", piece)
+    return sentences
+
+
+@pytest.mark.parametrize("page", SHORT_SENTENCE_PAGES)
+def test_user_pages_sentences_are_under_40_words(page):
+    long = [s for s in prose_sentences(read(page)) if len(s.split()) >= 40]
+    assert long == [], f"{page}: split these sentences"
+
+
+def test_the_sentence_splitter_sees_tables_lists_and_code():
+    page = "Short one. Another (a) one!\n\n- an item. Two\n\n| a | b c |\n| --- | --- |\n"
+    page += "```\nnot prose\n```\n"
+    want = ["Short one.", "Another (a) one!", "an item.", "Two", "a", "b c"]
+    assert prose_sentences(page) == want
+
+
+_INTERNAL = {
+    "the word issue": re.compile(r"\bissues?\b", re.I),
+    "a commit hash": re.compile(r"`(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}`"),
+    "an internal target": re.compile(r"\bnot reached\b|\btargets?\b", re.I),
+}
+
+
+def test_user_pages_mention_no_issues_commits_or_internal_targets():
+    pages = [p for p in USER_PAGES if os.path.exists(os.path.join(REPO, p))]
+    assert len(pages) >= 10
+    found = [
+        (page, what, match.group())
+        for page in pages
+        for what, pattern in _INTERNAL.items()
+        for match in pattern.finditer(read(page))
+    ]
+    assert found == [], "user pages say what a user does and gets: move this to design notes"
+    assert _INTERNAL["a commit hash"].search("before (`59c8d9b`)")
+    assert not _INTERNAL["a commit hash"].search("(`000000042`)")
