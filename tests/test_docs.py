@@ -61,7 +61,7 @@ def test_site_builds_strict_with_no_warning(tmp_path):
 BREAKAGES = {
     "a missing anchor": ("README.md", "(docs/cli.md)", "(docs/cli.md#nope)"),
     "a missing page": ("docs/ray.md", "(writing.md)", "(writting.md)"),
-    "a page left out of the nav": ("mkdocs.yml", "  - Writing on Ray: ray.md\n", ""),
+    "a page left out of the nav": ("mkdocs.yml", "      - Writing on Ray: ray.md\n", ""),
 }
 
 
