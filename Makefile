@@ -1,7 +1,7 @@
 # make demo: set up .venv and run the main job on shards_example/
 # make demo-video: write a small video dataset, inspect it and train a tiny Qwen2.5-VL on it
 # make test: set up .venv and run the linter and the test suite
-# make test-fast: the same without the tests that start real processes (about 80 s)
+# make test-fast: the same without the tests that start processes (no torchrun, server, worker)
 # make docs: build the documentation site (MkDocs Material) into site/; any warning fails it
 PYTHON ?= python3
 VENV ?= .venv
@@ -34,7 +34,7 @@ demo: install
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 \
 		scripts/train_ddp.py --data shards_example --out $(DEMO_OUT)/train $(DEMO_SETTINGS)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/wdsvlm stats shards_example \
-		--tokenizer shards_example/tokenizer --batch-size 8 $(DEMO_SETTINGS) --out $(DEMO_OUT)/stats
+		--tokenizer shards_example/tokenizer --naive-batch-size 8 $(DEMO_SETTINGS) --out $(DEMO_OUT)/stats
 	@echo "the pictures: $(DEMO_OUT)/stats/batches.png (naive batches beside packed rows)," \
 		"tokens.png and tiles.png; the checkpoints: $(DEMO_OUT)/train/"
 
@@ -45,11 +45,16 @@ lint: install
 	$(VENV)/bin/ruff check wdsvlm tests scripts
 	$(VENV)/bin/ruff format --check wdsvlm tests scripts
 
+# The tests side by side in $(TEST_WORKERS) processes (pytest-xdist), a module's tests in one of
+# them; TEST_WORKERS=0 runs them in this process, one after the other.
+TEST_WORKERS ?= 2
+PYTEST := HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS)
+
 test: lint
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: lint
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not processes"
+	$(PYTEST) -m "not processes"
 
 # The pages of docs/ and README.md (the home page) as a site; a broken link or anchor, or a page
 # left out of mkdocs.yml's nav, fails the build (--strict).

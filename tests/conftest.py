@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import io
 import json
+import multiprocessing.process
 import os
 import shutil
 import signal
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 import urllib.request
 
 import numpy as np
@@ -25,11 +27,93 @@ EXAMPLE = os.path.join(REPO, "shards_example")
 SERVER_FIXTURES = {"moto_server", "gcs_server", "s3_bucket", "gcs_bucket", "proxied"}
 
 
+# `make test` runs the suite side by side in pytest-xdist workers. A test module's tests run in
+# one worker, so that its module fixtures are built once (`--dist loadscope`, with the scheduler
+# below). These modules start the most processes: they go first, so that the run does not end
+# waiting on one of them. The Ray tests are one group: they look for Ray processes and session
+# files left behind, machine-wide, so no two of them may run at once.
+SLOWEST_FIRST = [
+    "test_ray_workers",
+    "test_workers",
+    "test_hf",
+    "test_train",
+    "test_ddp",
+    "test_loader",
+    "test_video_families",
+    "test_storage",
+    "test_multinode",
+    "test_readme",
+    "test_elastic",
+    "test_map",
+    "test_sizing",
+]
+SAME_GROUP = {"test_ray": "test_ray_workers"}
+
+
+def module_group(nodeid: str) -> str:
+    """The group a test runs in: its module's name, or the one it shares (``SAME_GROUP``)."""
+    name = os.path.basename(nodeid.split("::", 1)[0]).removesuffix(".py")
+    return SAME_GROUP.get(name, name)
+
+
 def pytest_collection_modifyitems(items):
-    """Tests on a storage server start a real process: marked ``processes`` (see pyproject)."""
+    """Tests on a storage server start a real process: marked ``processes`` (see pyproject).
+    The slowest modules are put first, a module's tests in the order written."""
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.processes)
+
+    def rank(item) -> int:
+        group = module_group(item.nodeid)
+        return SLOWEST_FIRST.index(group) if group in SLOWEST_FIRST else len(SLOWEST_FIRST)
+
+    items.sort(key=rank)
+
+
+LOOKUPS = (os.path.join("ctypes", "util.py"), os.sep + "platform.py")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_unless_marked(request, monkeypatch):
+    """A test not marked ``processes`` starts no process (a subprocess, DataLoader workers, a
+    fork server): `make test-fast` leaves out exactly the tests that do."""
+    if request.node.get_closest_marker("processes"):
+        yield
+        return
+    started = []
+    start, popen = multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__
+
+    def recorded_start(self, *args, **kwargs):
+        started.append(f"a process ({type(self).__name__} {self.name})")
+        return start(self, *args, **kwargs)
+
+    def recorded_popen(self, args, *rest, **kwargs):
+        # an import's look-up (ctypes.util.find_library runs ldconfig) is not the test's
+        callers = {frame.filename for frame in traceback.extract_stack(limit=8)}
+        if not any(name.endswith(LOOKUPS) for name in callers):
+            started.append(f"a subprocess {str(args)[:120]}")
+        return popen(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recorded_start)
+    monkeypatch.setattr(subprocess.Popen, "__init__", recorded_popen)
+    yield
+    if started:
+        pytest.fail(f"{request.node.nodeid} started {started[0]}: mark it `processes`")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` (pyproject's default) by ``module_group``: xdist's own ``loadgroup``
+    cannot be used, as it renames tests through an attribute pytest 9 no longer reads."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return module_group(nodeid)
+
+    return ModuleGroups(config, log)
 
 
 def make_image(path: str, size: tuple[int, int], fmt: str, seed: int = 0, **save) -> str:

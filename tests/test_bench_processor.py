@@ -30,6 +30,7 @@ def _cli(capsys, *args: str) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.processes
 def test_cli_reports_both_sides(capsys, monkeypatch):
     monkeypatch.setitem(PUBLISHED, "qwen2_vl", {})  # the tiny image sizes: a fast test
     result = json.loads(

@@ -14,6 +14,7 @@ from wdsvlm.tools.cli import byte_size, main
 from .conftest import EXAMPLE, run_process, write_jsonl
 
 
+@pytest.mark.processes
 def test_write_prints_a_summary_and_exits_0(llava_input, tmp_path, capsys):
     path, root, _ = llava_input
     out = str(tmp_path / "ds")

@@ -42,6 +42,7 @@ def by_global_worker(source, world, workers, **options):
 
 
 @pytest.mark.parametrize("world, workers", [(1, 0), (3, 0), (2, 2)])
+@pytest.mark.processes
 def test_every_sample_once_in_the_indexes_order_and_every_rank_alike(world, workers):
     keys, lengths = by_global_worker(EXAMPLE, world, workers, **OPTIONS)
     assert len({n for n, _ in lengths}) == 1 and all(n == got for n, got in lengths)

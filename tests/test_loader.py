@@ -92,6 +92,7 @@ def test_same_epoch_same_batches_other_epoch_other_order():
 
 
 @pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.processes
 def test_workers_split_the_data_and_follow_set_epoch(persistent):
     def run(persistent, epochs=3):
         loader = wdsvlm.Loader(
@@ -370,6 +371,7 @@ def test_a_state_of_before_chunks_were_capped_is_refused_where_the_cap_changes_t
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.processes
 def test_small_chunks_read_several_at_once_resume_exactly_from_any_step(workers):
     """Chunks of a few samples (over 40 chunk visits a pass), four reads in flight and a
     small shuffle buffer: a state saved at any step, mid-visit and with reads in flight,
@@ -515,6 +517,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("workers,persistent", [(0, False), (2, True)])
+@pytest.mark.processes
 def test_an_abandoned_iteration_collected_later_leaves_the_running_one_alone(workers, persistent):
     """An iteration given up after one batch and collected while a later one runs: its
     clean-up stops nothing of the later one's (its stream, its workers: with

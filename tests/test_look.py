@@ -220,6 +220,7 @@ def test_stats_table_and_progress_bar(tmp_path):
     assert "pictures" not in run.stdout  # none asked for
 
 
+@pytest.mark.processes
 def test_bench_compares_with_the_naive_pipeline():
     run = wdsvlm(
         "bench", EXAMPLE, "--tokenizer", TOKENIZER, "--batch-size", "4", "--workers", "1",
@@ -299,6 +300,7 @@ def test_stats_counts_bad_samples_and_says_when_nothing_fits(llava_input, tmp_pa
     assert table["padding, wdsvlm packing"].strip() == "n/a (no sample fits)"
 
 
+@pytest.mark.processes
 def test_progress_bars_stay_off_in_dataloader_workers():
     from torch.utils.data import DataLoader, IterableDataset
 
@@ -322,6 +324,7 @@ def test_a_missing_shard_is_a_runtime_error_naming_it(llava_input, tmp_path):
     assert "data-000000.tar" in run.stderr and len(run.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.processes
 def test_bench_on_one_shard_gives_the_naive_side_one_worker(llava_input, tmp_path):
     path, root, records = llava_input
     out = str(tmp_path / "ds")

@@ -104,6 +104,7 @@ def test_a_filter_keeps_every_other_sample_exactly_once_per_pass(two_passes):
     assert not [k for k, _, _ in two_passes if by_source[k] == DROPPED]
 
 
+@pytest.mark.processes
 def test_the_augmentation_draws_per_pass_and_place(two_passes):
     text = {(k, p): t for k, p, t in two_passes}
     pairs = [(text[k, 0], text[k, 1]) for k, p in text if p == 0 and (k, 1) in text]

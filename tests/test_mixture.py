@@ -51,6 +51,7 @@ def run(sources, epochs, rank=0, world=1, workers=0, **extra):
     return loader, seen, digests, states
 
 
+@pytest.mark.processes
 def test_a_pass_holds_exactly_each_sources_share_on_every_topology(datasets):
     vqa, ocr = datasets
     sources = [Source(vqa, repeat=2.0), Source(ocr, repeat=0.5)]
@@ -124,6 +125,7 @@ def test_weights_split_samples_per_pass(datasets):
     assert loader.stats()["sources"] == {n: k / sum(last.values()) for n, k in last.items()}
 
 
+@pytest.mark.processes
 def test_exact_resume_of_a_mixture_mid_pass_and_after_several_passes(datasets):
     vqa, ocr = datasets
     sources = [Source(vqa, repeat=0.5), Source(ocr, repeat=2.0)]

@@ -133,6 +133,7 @@ def test_a_row_whose_image_is_not_an_image_is_named_or_skipped_and_listed(tmp_pa
     # reuses file names across configs
 
 
+@pytest.mark.processes
 def test_llava_onevision_parquet_with_a_path_only_image_and_the_same_output_for_any_workers(
     tmp_path,
 ):

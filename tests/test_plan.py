@@ -265,6 +265,7 @@ def test_worker_config_from_torchrun_environment(monkeypatch):
         WorkerConfig(4, 4)
 
 
+@pytest.mark.processes
 def test_plan_refuses_a_dataloader_with_other_worker_count():
     from torch.utils.data import DataLoader
 

@@ -153,6 +153,7 @@ def test_no_file_handles_leak_across_epochs():
     assert _open_fds() == before
 
 
+@pytest.mark.processes
 def test_full_pipeline_in_dataloader_workers_yields_every_sample_once():
     from torch.utils.data import DataLoader
 

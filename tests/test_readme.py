@@ -45,6 +45,7 @@ def test_readme_quick_start_writes_and_prints_as_shown(tmp_path):
     assert got == want
 
 
+@pytest.mark.processes
 def test_readme_training_loop_trains_on_every_sample(monkeypatch, capsys):
     scope = run_python_example("README.md", r"```python\n(# train_quick.py\n.*?)```", monkeypatch)
     loader = scope["train"](epochs=1)
@@ -53,6 +54,7 @@ def test_readme_training_loop_trains_on_every_sample(monkeypatch, capsys):
     assert "'fill': 0.9" in capsys.readouterr().out  # packed rows at least 90% full
 
 
+@pytest.mark.processes
 def test_loading_page_loader_example_runs(monkeypatch, capsys):
     pattern = r"```python\n(import wdsvlm\n\nloader = wdsvlm.Loader\(.*?)```"
     scope = run_python_example("docs/loading.md", pattern, monkeypatch)
@@ -61,6 +63,7 @@ def test_loading_page_loader_example_runs(monkeypatch, capsys):
     assert "'fill': 0.9" in capsys.readouterr().out
 
 
+@pytest.mark.processes
 def test_loading_page_pipeline_example_runs(monkeypatch):
     pattern = r"```python\n(import webdataset as wds\n.*?)```"
     scope = run_python_example("docs/loading.md", pattern, monkeypatch)

@@ -104,6 +104,7 @@ def captions(tmp_path):
     return str(tars), ref, [s["__key__"] for s in samples]
 
 
+@pytest.mark.processes
 def test_shardwriter_captions_are_indexed_in_place_and_read_as_wdsvlm_write_would(captions):
     tars, ref, keys = captions
     before = tree_digest(tars)
@@ -417,6 +418,7 @@ def test_a_brace_pattern_on_s3_is_indexed_into_the_bucket(captions, s3_bucket):
     assert got == one_pass(ref)[0] and sorted(got_keys) == keys
 
 
+@pytest.mark.processes
 def test_wdsvlm_tars_copied_without_their_index_are_indexed_and_read_as_before(tmp_path):
     """shards_example's tars alone: `auto` finds wdsvlm's own layout, and the Loader, stats
     and verify read them as they read the dataset with the index it was written with."""

@@ -40,6 +40,7 @@ def parent_and_threads(pid: int) -> tuple[int, int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.processes
 def test_workers_are_forked_from_a_process_that_runs_no_thread():
     import threading
 
@@ -56,6 +57,7 @@ def test_workers_are_forked_from_a_process_that_runs_no_thread():
     stop.set()
 
 
+@pytest.mark.processes
 def test_fork_is_there_for_those_who_ask_and_a_wrong_name_is_refused():
     loader = wdsvlm.Loader(
         EXAMPLE, TOKENIZER, num_workers=2, multiprocessing_context="fork", **SMALL
@@ -183,6 +185,7 @@ def test_workers_see_the_environment_as_it_is_when_they_start(monkeypatch):
     child.join(timeout=60)
 
 
+@pytest.mark.processes
 def test_after_an_error_in_a_worker_the_workers_stop_at_once(tmp_path):
     """The error's traceback keeps the DataLoader's iterator alive; the workers must not wait
     for the cycle collector (and then 5 s each) to be told to stop."""
@@ -418,6 +421,7 @@ def test_the_fork_server_starts_with_the_loader(tmp_path):
     assert [c for c in result["made"] if "forkserver" in c], result["made"]
 
 
+@pytest.mark.processes
 def test_spawned_workers_give_the_batches_of_forked_workers():
     import torch
 
@@ -446,6 +450,7 @@ def test_spawned_workers_give_the_batches_of_forked_workers():
 
 
 @pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.processes
 def test_persistent_workers_serve_every_epoch(workers):
     loader = wdsvlm.Loader(
         EXAMPLE,
@@ -466,6 +471,7 @@ def test_persistent_workers_serve_every_epoch(workers):
     loader.close()
 
 
+@pytest.mark.processes
 def test_a_resumed_epoch_goes_on_exactly_whatever_the_start_method():
     """From a saved state (its buffers holding samples cut by truncation and some still
     untokenized), spawned workers give every batch forked workers give."""
@@ -496,6 +502,7 @@ def test_a_resumed_epoch_goes_on_exactly_whatever_the_start_method():
                 assert torch.equal(value, theirs[name]), name
 
 
+@pytest.mark.processes
 def test_stopping_after_the_first_batch_stops_the_workers():
     before = {p.pid for p in multiprocessing.active_children()}
     loader = wdsvlm.Loader(
@@ -508,6 +515,7 @@ def test_stopping_after_the_first_batch_stops_the_workers():
     assert not workers, f"workers still running after the iteration stopped: {workers}"
 
 
+@pytest.mark.processes
 def test_an_error_before_the_first_batch_stops_the_workers(tmp_path):
     """Every shard went away: the error comes, and no worker is left running."""
     import glob

@@ -157,6 +157,7 @@ def test_same_input_gives_byte_identical_dataset(llava_input, tmp_path):
     assert files_of(str(tmp_path / "one")) == files_of(str(tmp_path / "two"))
 
 
+@pytest.mark.processes
 def test_workers_1_and_3_write_identical_datasets(llava_input, tmp_path):
     path, root, _ = llava_input
     one, three = str(tmp_path / "w1"), str(tmp_path / "w3")
