@@ -20,6 +20,11 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
+# One thread per process for torch's (and every OpenMP library's) kernels: the suite runs many
+# processes side by side on few cores, where each one's own threads only compete (about a
+# fifth of the CPU time of the model tests, on 2 cores). Subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "shards_example")
 
@@ -70,7 +75,13 @@ def pytest_collection_modifyitems(items):
     items.sort(key=rank)
 
 
-LOOKUPS = (os.path.join("ctypes", "util.py"), os.sep + "platform.py")
+# what an import runs to look something up: ctypes.util.find_library (ldconfig), platform,
+# and matplotlib building its font cache on first use (fc-list)
+LOOKUPS = (
+    os.path.join("ctypes", "util.py"),
+    os.sep + "platform.py",
+    os.path.join("matplotlib", "font_manager.py"),
+)
 
 
 @pytest.fixture(autouse=True)
