@@ -15,12 +15,14 @@ STAMP := $(VENV)/.wdsvlm-installed
 
 .PHONY: install demo demo-video test test-fast lint docs example clean
 
-# constraints.txt: the versions the tests last passed with (pip backtracks for minutes without)
+# constraints.txt: the versions the tests last passed with (pip backtracks for minutes without).
+# uv installs them (from PyPI, into .venv): the same versions as pip, in about a third of the time.
+UV := $(VENV)/bin/uv pip install -q --python $(PY)
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	$(PY) -m pip install -q -c constraints.txt uv
+	$(UV) $(TORCH)
+	$(UV) -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
 install: $(STAMP)
