@@ -17,7 +17,9 @@ STAMP := $(VENV)/.wdsvlm-installed
 
 # constraints.txt: the versions the tests last passed with (pip backtracks for minutes without).
 # uv installs them (from PyPI, into .venv): the same versions as pip, in about a third of the time.
-UV := $(VENV)/bin/uv pip install -q --python $(PY)
+# --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set, every process would
+# otherwise compile torch, transformers and Ray from source at each start.
+UV := $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY)
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt uv
