@@ -15,7 +15,8 @@ STAMP := $(VENV)/.wdsvlm-installed
 
 .PHONY: install demo demo-video test test-fast lint docs example clean
 
-# constraints.txt: the versions the tests last passed with (pip backtracks for minutes without).
+# constraints.txt: the versions the tests last passed with (the resolver backtracks for minutes
+# without).
 # uv installs them (from PyPI, into .venv): the same versions as pip, in about a third of the time.
 # --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set, every process would
 # otherwise compile torch, transformers and Ray from source at each start.

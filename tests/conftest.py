@@ -78,8 +78,8 @@ def pytest_collection_modifyitems(items):
 def pytest_collection_finish(session):
     """What the test modules imported (torch, transformers, the models' classes) is moved out
     of the garbage collector's sight: a full collection (a test's own, or Python's when the heap
-    grows) then walks only what the tests made, not about a million import-time objects
-    (0.58 s a collection before, a fifth of the video tests' time)."""
+    grows) then walks only what the tests made, not the 500,000 or more objects made at import
+    (0.3-0.6 s a collection before, a fifth of the video tests' time)."""
     gc.collect()
     gc.freeze()
 
