@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from wdsvlm import load_index
 from wdsvlm.tools.cli import byte_size, main
 
 from .conftest import EXAMPLE, run_process, write_jsonl
@@ -147,3 +148,38 @@ def test_verify_names_a_changed_shard(tmp_path, capsys, llava_input):
     assert "data-000000.tar" in capsys.readouterr().err
     assert main(["verify", str(tmp_path / "nothing")]) == 1
     assert "not a wdsvlm dataset" in capsys.readouterr().err
+
+
+def test_a_merge_into_a_dataset_is_refused_without_overwrite(tmp_path, capsys):
+    """``wdsvlm index OUT --merge PART`` where OUT holds a dataset already (its own shards, or
+    an earlier merge) exits 1 naming it and leaves its index as it was, as ``write`` and
+    ``index`` do; with ``--overwrite`` the merged index replaces it."""
+    records = [
+        {
+            "id": f"r{i}",
+            "conversations": [
+                {"from": "human", "value": f"What is {i} and {i}?"},
+                {"from": "gpt", "value": f"{2 * i}."},
+            ],
+        }  # fmt: skip
+        for i in range(4)
+    ]
+    out = str(tmp_path / "out")
+    for k, name in enumerate(("", "part-0", "part-1")):  # OUT's own dataset, then two parts
+        path = write_jsonl(str(tmp_path / f"in{k}.jsonl"), records[k : k + 2])
+        assert main(["write", "--input", path, "--output", os.path.join(out, name), "-q"]) == 0
+    capsys.readouterr()
+    index = os.path.join(out, "index.json")
+    before = open(index, "rb").read()
+    assert main(["index", out, "--merge", "part-0", "part-1"]) == 1
+    err = capsys.readouterr().err
+    assert f"{out} already holds a dataset (index.json)" in err and "--overwrite" in err
+    assert "Traceback" not in err
+    assert open(index, "rb").read() == before  # the dataset at OUT is untouched, still whole
+    assert load_index(out)["totals"]["samples"] == 2
+
+    assert main(["index", out, "--merge", "part-0", "part-1", "--overwrite"]) == 0
+    assert "2 datasets merged into one index (shards=2 samples=4" in capsys.readouterr().out
+    assert main(["index", out, "--merge", "part-0"]) == 1  # an earlier merge is a dataset too
+    assert "already holds a dataset" in capsys.readouterr().err
+    assert load_index(out)["totals"]["samples"] == 4

@@ -6,7 +6,9 @@ own inside ``OUT`` (``OUT/part-000``, ``OUT/part-001``, ...). Merging writes one
 ``OUT`` (``part-000/data-000000.tar``): no shard or sidecar is copied or rewritten. The shards
 stream through a ``TableBuilder``, so memory does not grow with their number; the shard table
 is published first and ``index.json`` last, so a reader sees the merged index whole or not at
-all. The parts' own indexes stay, and each part still loads alone.
+all. The parts' own indexes stay, and each part still loads alone. An index already at ``OUT``
+(a dataset written there, or an earlier merge) is replaced only with ``overwrite=True``: the
+shards it lists that no part holds would be left on the store, listed by no index.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ..errors import ShardFormatError
-from ..storage.fs import join
+from ..errors import DatasetExistsError, ShardFormatError
+from ..storage.fs import exists, join
 from .builder import publish_root
-from .index import FORMAT, load_index
+from .index import FORMAT, INDEX_NAME, load_index
 
 _SUMMED = ("samples", "bytes", "images", "videos", "text_only", "multi_image", "turns", "chars")
 
@@ -30,9 +32,12 @@ def merge_indexes(
     storage_options: Mapping[str, Any] | None = None,
     *,
     index_version: int = 3,
+    overwrite: bool = False,
 ) -> dict:
     """Write one index at ``output`` over the datasets ``parts`` (folders or URLs inside
-    ``output``, or paths relative to it); return it as ``load_index`` reads it."""
+    ``output``, or paths relative to it); return it as ``load_index`` reads it. An index at
+    ``output`` already is refused (``DatasetExistsError``) unless ``overwrite``; the parts are
+    checked first, so a merge that is refused for any reason leaves it as it was."""
     if not parts:
         raise ValueError("nothing to merge: name the datasets (folders inside the output)")
     names = [_relative(output, part) for part in parts]
@@ -56,6 +61,13 @@ def merge_indexes(
         raise ShardFormatError(
             f"{output}: the datasets to merge have other sample layouts ({sorted(layouts)}); "
             "one index reads one layout"
+        )
+    if not overwrite and exists(join(output, INDEX_NAME), storage_options):
+        raise DatasetExistsError(
+            f"{output} already holds a dataset ({INDEX_NAME}); merging would replace its index "
+            "and leave the shards it lists that no part holds on the store, listed by no "
+            "index. Pass --overwrite / overwrite=True to replace it (an earlier merge, say), "
+            "or merge into another folder"
         )
     root: dict[str, Any] = {"format": FORMAT, "version": index_version}
     if indexes[0].get("layout") is not None:

@@ -70,7 +70,11 @@ def index(args: argparse.Namespace) -> None:
         from ..format.merge import merge_indexes
 
         index = merge_indexes(
-            args.source, args.merge, args.storage_options, index_version=args.index_version
+            args.source,
+            args.merge,
+            args.storage_options,
+            index_version=args.index_version,
+            overwrite=args.overwrite,
         )
         totals = index["totals"]
         print(
