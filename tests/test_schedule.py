@@ -12,7 +12,7 @@ import pytest
 import wdsvlm
 from wdsvlm import Source
 from wdsvlm.pipeline.plan import Plan, WorkerConfig
-from wdsvlm.pipeline.schedule import Schedule, weight_at
+from wdsvlm.pipeline.schedule import Schedule, all_zero_at, weight_at
 from wdsvlm.pipeline.shuffle import Shuffle
 
 from .conftest import EXAMPLE
@@ -44,6 +44,59 @@ def test_weights_between_the_points_are_linear_or_steps():
     with pytest.raises(ValueError, match="schedule= goes with weight="):
         Source("d", repeat=1.0, schedule="step")
     assert Source("d", weight=[[0, 1], [5, 2]]).schedule == "linear"
+
+
+ALL_ZERO = [  # (source a's, source b's weights as (kind, points)), the first batch both are 0
+    (("step", [(0, 1.0), (100, 0.0)]), ("step", [(0, 0.0), (150, 1.0)]), 100),
+    # lines that reach 0 at the same batch only, from both sides
+    (
+        ("linear", [(0, 1.0), (100, 0.0), (200, 1.0)]),
+        ("linear", [(50, 1.0), (100, 0.0), (300, 1.0)]),
+        100,
+    ),
+    # a line that stays at 0 between two points, a step at 0 from a batch between them on
+    (("linear", [(0, 1.0), (40, 0.0), (80, 0.0), (90, 2.0)]), ("step", [(0, 1.0), (60, 0.0)]), 60),
+    # before the first point the first weight holds, after the last the last
+    (("linear", [(10, 0.0), (20, 1.0)]), ("step", [(0, 0.0), (15, 1.0)]), 0),
+    (("linear", [(0, 1.0), (30, 0.0)]), ("step", [(0, 1.0), (25.5, 0.0)]), 30),
+    (("step", [(0, 1.0), (7, 0.0), (8, 1.0)]), ("linear", [(0, 1.0), (7, 0.0), (9, 0.0)]), 7),
+]
+NEVER_ZERO = [
+    (("linear", [(0, 1.0), (100, 0.0)]), ("linear", [(0, 0.0), (100, 1.0)])),  # they cross
+    (("step", [(0, 1.0), (100, 0.0)]), ("step", [(0, 0.0), (100, 1.0)])),  # b takes over
+    (("linear", [(0, 1.0), (100, 0.0), (200, 1.0)]), ("step", [(0, 0.0), (99, 1.0), (101, 0.0)])),
+    (("linear", [(0, 0.0), (1, 1.0)]), ("linear", [(0, 1.0), (1, 0.0)])),
+]
+
+
+@pytest.mark.parametrize("a, b, batch", ALL_ZERO)
+def test_a_schedule_whose_weights_are_all_0_at_a_batch_is_refused_naming_it(a, b, batch):
+    """Every weight 0 at some batch, at a point or between points, is found at the first such
+    batch (checked against the weights on a fine grid), and a Loader with that schedule is
+    refused when it is built, naming the batch (it used to fail in the workers once a pass
+    got there)."""
+    points = [tuple((float(t), float(w)) for t, w in p) for _, p in (a, b)]
+    kinds = [a[0], b[0]]
+    assert all_zero_at(points, kinds) == batch
+    grid = [t / 4 for t in range(4 * 400)]
+    zero = [
+        t for t in grid if all(weight_at(p, k, t) == 0 for p, k in zip(points, kinds, strict=True))
+    ]
+    assert zero[0] == batch
+    sources = [
+        Source(EXAMPLE, name="a", weight=a[1], schedule=a[0]),
+        Source(EXAMPLE, name="b", weight=b[1], schedule=b[0]),
+    ]
+    with pytest.raises(ValueError, match=rf"every source's weight is 0 at batch {batch}\b"):
+        wdsvlm.Loader(sources, TOKENIZER, max_length=1024, batch_size=2, **SMALL)
+
+
+@pytest.mark.parametrize("a, b", NEVER_ZERO)
+def test_a_schedule_with_a_weight_above_0_at_every_batch_is_taken(a, b):
+    points = [tuple((float(t), float(w)) for t, w in p) for _, p in (a, b)]
+    assert all_zero_at(points, [a[0], b[0]]) is None
+    for t in [x / 4 for x in range(4 * 400)]:
+        assert sum(weight_at(p, k, t) for p, k in zip(points, [a[0], b[0]], strict=True)) > 0
 
 
 def test_each_pass_holds_its_mean_shares_and_the_extras_rotate_through_each_source():

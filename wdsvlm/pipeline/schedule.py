@@ -4,7 +4,8 @@ batch count.
 A source's ``weight`` may be points ``[(batch, weight), ...]`` with ``schedule="linear"``
 (straight lines between the points) or ``"step"`` (each weight holds from its batch on); before
 the first point the first weight holds, after the last the last. A source's share at batch
-``t`` is its weight over the sources' weights at ``t``.
+``t`` is its weight over the sources' weights at ``t``; a schedule under which every weight is
+0 at some batch (``all_zero_at``) is refused when it is made.
 
 Passes are then short (``samples_per_pass``) and each pass holds each source's share of it
 at the mean share of the batches it is read in: pass ``p`` spans batches ``[p * clock,
@@ -55,6 +56,25 @@ def check_points(weight, kind: str | None, where: str) -> tuple[tuple[float, flo
     return points
 
 
+def all_zero_at(
+    points: Sequence[Sequence[tuple[float, float]]], kinds: Sequence[str]
+) -> float | None:
+    """The first batch ``t >= 0`` at which every weight is 0, or None if there is none.
+
+    Each weight is >= 0, so the sum is 0 exactly where every weight is. Where one weight is 0
+    is a union of intervals closed at their left end: of a line, a point whose weight is 0,
+    or the stretch between two such points (a line between weights above 0 never reaches
+    0), or before the first point or after the last one when that weight is 0; of steps, a
+    stretch ``[b, next b)`` whose weight is 0 (before the first point, ``[0, b]``). Intervals
+    closed at their left ends meet, if at all, at the largest of those ends: batch 0 or a
+    point of some schedule. So only those batches need looking at."""
+    batches = sorted({0.0, *(b for p in points for b, _ in p)})
+    for t in batches:
+        if all(weight_at(p, k, t) == 0 for p, k in zip(points, kinds, strict=True)):
+            return t
+    return None
+
+
 @dataclass
 class Schedule:
     """The sources' weights over batches, and the passes' counts they give."""
@@ -68,6 +88,14 @@ class Schedule:
     given: bool = False
     """Whether ``samples_per_pass`` was given (else the Loader chooses short passes)."""
     _extras: list = field(default_factory=list, repr=False)
+
+    def __post_init__(self):
+        t = all_zero_at(self.points, self.kinds)
+        if t is not None:
+            raise ValueError(
+                f"every source's weight is 0 at batch {t:g} of the schedule: no source to draw "
+                "from there; give one of them a weight above 0 at that batch"
+            )
 
     def shares(self, t: float) -> list[float]:
         weights = [weight_at(p, k, t) for p, k in zip(self.points, self.kinds, strict=True)]
