@@ -113,3 +113,62 @@ def test_the_torchvision_resize_is_the_processors_own_and_refuses_a_pil_processo
     assert torch.equal(got, TorchvisionBackend.resize(processor, pixels, size, processor.resample))
     with pytest.raises(TypeError, match="not a torchvision-backed processor"):
         compat.torchvision_resize(tiny_processor("qwen2_vl").image_processor, pixels, 14, 28)
+
+
+@pytest.fixture
+def fresh_video_check():
+    compat.video_settings_not_sampling.cache_clear()
+    yield
+    compat.video_settings_not_sampling.cache_clear()
+
+
+def test_the_video_processors_settings_not_for_sampling_are_read_from_its_preprocess(
+    monkeypatch, fresh_video_check
+):
+    """What ``families/video.py`` keeps from ``sample_frames`` is what ``preprocess`` pops in
+    this transformers; a ``preprocess`` that pops nothing before ``sample_frames`` (a version
+    that moved them) fails the check naming transformers, its version and the range."""
+    import transformers.video_processing_utils as vpu
+
+    from wdsvlm.families.qwen_video import QwenVideo
+    from wdsvlm.testing.qwen import qwen_processor
+
+    popped = compat.video_settings_not_sampling()
+    assert set(popped) == {
+        "input_data_format",
+        "do_convert_rgb",
+        "do_sample_frames",
+        "device",
+        "video_metadata",
+    }
+    video = QwenVideo(qwen_processor("qwen2_vl"), "qwen2_vl")
+    assert video.sampling and not set(popped) & set(video.sampling)
+    compat.video_settings_not_sampling.cache_clear()
+
+    def preprocess(self, videos, **kwargs):  # a version that pops them elsewhere
+        return self._preprocess(videos, sample_indices_fn=self.sample_frames, **kwargs)
+
+    monkeypatch.setattr(vpu.BaseVideoProcessor, "preprocess", preprocess)
+    message = (
+        f"transformers {re.escape(transformers.__version__)} is not supported by wdsvlm: "
+        ".*popped before sample_frames.* is missing or changed "
+        rf"\(supported: transformers {re.escape(compat.TRANSFORMERS_RANGE)}\)"
+    )
+    with pytest.raises(compat.UnsupportedVersionError, match=message):
+        QwenVideo(qwen_processor("qwen2_vl"), "qwen2_vl")
+
+
+def test_smolvlms_size_cap_is_its_modules_and_a_version_without_it_fails_the_check(monkeypatch):
+    from wdsvlm.families.smolvlm import SmolVLMFamily
+    from wdsvlm.testing.tiny import tiny_processor
+
+    processor = tiny_processor("smolvlm")
+    module = sys.modules[type(processor.image_processor).__module__]
+    assert SmolVLMFamily(processor).max_side == module.MAX_IMAGE_SIZE == 4096
+    monkeypatch.delattr(module, "MAX_IMAGE_SIZE")
+    message = (
+        f"transformers {re.escape(transformers.__version__)} is not supported by wdsvlm: "
+        rf"{re.escape(module.__name__)}\.MAX_IMAGE_SIZE is missing or changed"
+    )
+    with pytest.raises(compat.UnsupportedVersionError, match=message):
+        SmolVLMFamily(processor)

@@ -16,6 +16,7 @@ import functools
 import importlib
 import inspect
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -233,6 +234,33 @@ def smolvlm_video_template() -> str:
     return _transformers(
         "transformers.models.smolvlm.processing_smolvlm.DEFAULT_CHAT_TEMPLATE", found
     )
+
+
+@functools.cache
+def video_settings_not_sampling() -> tuple[str, ...]:
+    """The settings ``BaseVideoProcessor.preprocess`` pops before it hands the rest to
+    ``sample_frames`` (``families/video.py`` hands ``sample_frames`` the same rest), read from
+    the source of ``preprocess`` itself: every ``kwargs.pop("...")`` before ``sample_frames``
+    (in 5.24: input_data_format, do_convert_rgb, do_sample_frames, device, video_metadata)."""
+    module = _module("transformers.video_processing_utils")
+    preprocess = getattr(getattr(module, "BaseVideoProcessor", None), "preprocess", None)
+    try:
+        source = inspect.getsource(preprocess) if preprocess is not None else ""
+    except (OSError, TypeError):
+        source = ""
+    head, found, _ = source.partition("self.sample_frames")
+    popped = tuple(re.findall(r"""kwargs\.pop\(["'](\w+)["']""", head)) if found else ()
+    what = "the settings popped before sample_frames in BaseVideoProcessor.preprocess"
+    return _transformers(what, popped if "do_sample_frames" in popped else None)
+
+
+def smolvlm_max_image_size(image_processor: Any) -> int:
+    """``MAX_IMAGE_SIZE`` of the module of a SmolVLM/Idefics3 image processor: the side both
+    sides of a resized image are capped at (4096 in 5.24)."""
+    module = sys.modules.get(type(image_processor).__module__)
+    found = getattr(module, "MAX_IMAGE_SIZE", None)
+    what = f"{type(image_processor).__module__}.MAX_IMAGE_SIZE"
+    return int(_transformers(what, found if isinstance(found, int) else None))
 
 
 def trainer_internals() -> None:

@@ -34,7 +34,6 @@ mean = std = 0.5 no uint8 value normalises to 0.)
 from __future__ import annotations
 
 import math
-import sys
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -72,8 +71,7 @@ class SmolVLMFamily(ProcessorFamily):
         self.unit_size: int = int(ip.max_image_size["longest_edge"])
         self.longest_edge: int | None = int(ip.size["longest_edge"]) if ip.do_resize else None
         self.split: bool = bool(ip.do_image_splitting)
-        # The cap lives in the image processor's module; 4096 in every version so far.
-        self.max_side: int = getattr(sys.modules[type(ip).__module__], "MAX_IMAGE_SIZE", 4096)
+        self.max_side: int = compat.smolvlm_max_image_size(ip)  # in its module
         # The torchvision backend resamples in torch (see _resize).
         self.torch_backend = getattr(ip, "backend", "pil") == "torchvision"
         self.resample = Image.Resampling(ip.resample if ip.resample is not None else Image.BILINEAR)

@@ -14,16 +14,6 @@ import numpy as np
 from .. import compat
 from ..format.videos import VideoInfo
 
-# What BaseVideoProcessor.preprocess takes out of its settings before the rest go to
-# sample_frames (transformers 5.24).
-_NOT_SAMPLING = (
-    "input_data_format",
-    "do_convert_rgb",
-    "do_sample_frames",
-    "device",
-    "video_metadata",
-)
-
 # (frames, fps, width, height) of the videos whose tokens stand for a processor's settings
 _PROBE_VIDEOS = [(12, 24.0, 64, 48), (90, 30000 / 1001, 640, 360), (1800, 60.0, 1280, 720)]
 
@@ -79,7 +69,7 @@ class ProcessorVideo:
         self.sampling = {
             k: getattr(vp, k, None)
             for k in vp.valid_kwargs.__annotations__
-            if k not in _NOT_SAMPLING
+            if k not in compat.video_settings_not_sampling()  # as its preprocess does
         }
         self.samples = bool(getattr(vp, "do_sample_frames", False))
         self._frames: dict[VideoInfo, np.ndarray] = {}
