@@ -23,9 +23,9 @@ from wdsvlm.format.layouts import (
     BadSample,
     Layout,
     find_member,
-    image_suffixes,
     split_name,
 )
+from wdsvlm.format.members import media_members
 from wdsvlm.write.tarindex import index_tars
 
 from .conftest import EXAMPLE, make_image, run_cli, write_jsonl
@@ -191,6 +191,10 @@ def test_keys_follow_webdataset():
     assert split_name("000000005.edited.jpg") == ("000000005", "edited.jpg")
     assert split_name("a/b/c.0.JPG") == ("a/b/c", "0.JPG")
     assert split_name("noext") == ("noext", "")
+
+
+def image_suffixes(suffixes):
+    return list(media_members(suffixes).images)
 
 
 def test_a_members_part_is_its_last_extension_where_no_member_is_named_plainly():

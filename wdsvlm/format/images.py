@@ -1,7 +1,8 @@
 """Image files as a dataset holds them: what the writer records of an image, and decoding one
 as displayed (RGB, EXIF orientation applied). No torch: the writer uses this module.
 
-A sample's images are its members ``0.jpg``, ``1.png``, ... (``image_members``). The sizes the
+A sample's images are its members ``0.jpg``, ``1.png``, ... (``image_members``, by
+``format.members``' rule). The sizes the
 index records are the displayed ones, so a reader can plan an image's tokens before decoding
 it, and refuses an image that decodes to another size (``ImageSizeMismatch``).
 """
@@ -9,7 +10,6 @@ it, and refuses an image that decodes to another size (``ImageSizeMismatch``).
 from __future__ import annotations
 
 import io
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .members import VIDEO_EXTENSIONS
+from .members import IMAGE, read_members
 
 # Formats stored as their original bytes; anything else is re-encoded to PNG.
 KEPT_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
@@ -25,8 +25,6 @@ KEPT_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 _TRANSPOSED_ORIENTATIONS = {5, 6, 7, 8}
 _EXIF_ORIENTATION = 0x0112
 _WHITE = (255, 255, 255)
-# Image members of a sample: "0.jpg", "1.png", ...
-IMAGE_MEMBER = re.compile(r"(\d+)\.[A-Za-z0-9]+")
 # What Pillow raises for bytes that are no image it can decode completely.
 BAD_IMAGE_ERRORS = (
     UnidentifiedImageError,
@@ -238,11 +236,6 @@ def opencv() -> Any:
 
 
 def image_members(sample: dict) -> list[str]:
-    """The sample's image member names, in image order (its numbered members that are no
-    videos: ``format.videos.video_members``)."""
-    found = [
-        (int(m.group(1)), k)
-        for k in sample
-        if (m := IMAGE_MEMBER.fullmatch(k)) and k.rsplit(".", 1)[1].lower() not in VIDEO_EXTENSIONS
-    ]
-    return [k for _, k in sorted(found)]
+    """The sample's image member names, in image order, by the one rule of
+    ``format.members`` (the one ``wdsvlm index`` and the writer follow)."""
+    return read_members(sample, IMAGE)

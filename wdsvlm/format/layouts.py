@@ -11,13 +11,13 @@ wdsvlm reads three layouts, and an index records which one its shards hold:
 
 Keys and suffixes follow webdataset: a member's key is its path up to the first dot of its
 base name, the rest is its suffix (``000005.edited.jpg``: key ``000005``, suffix
-``edited.jpg``); suffixes match case-insensitively. A sample's images are its one bare image
-suffix (``jpg``, ``png``, ``webp``, ...) or its numbered ones (``0.jpg``, ``1.png``, ...) in
-number order; its text and JSON members are the ones of those suffixes. Where no member has
-such a suffix, a member plays the part its last extension names, as webdataset's decoders
-read it (``edited.jpg`` an image, ``edited.txt`` a caption, ``edited.json`` the JSON), if it
-is the only one of that kind (two ``*.jpg`` then: ``ambiguous_images``). Other members are
-left alone.
+``edited.jpg``); suffixes match case-insensitively. A sample's images and videos are found by
+``members``' one rule (its one bare ``jpg`` / ``mp4``, or its numbered ones ``0.jpg``,
+``1.mp4`` ... in number order), which the reader of wdsvlm's own layout follows too; its text
+and JSON members are the ones of those suffixes. Where no member has such a suffix, a member
+plays the part its last extension names, as webdataset's decoders read it (``edited.jpg`` an
+image, ``edited.txt`` a caption, ``edited.json`` the JSON), if it is the only one of that kind
+(two ``*.jpg`` then: ``ambiguous_images``). Other members are left alone.
 
 ``Layout.convert`` turns a sample's members into wdsvlm's own (``json`` and ``0.jpg``...), which
 is what the reader hands the rest of the pipeline, so every stage reads one layout.
@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError
 from .conversation import IMAGE_MARKER, conversation_of, media_order, place_images
-from .videos import VIDEO_EXTENSIONS
+from .members import BadSample, media_members, media_name, media_number
 
 LAYOUTS = ("wdsvlm", "captions", "conversations")
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 TEXT_SUFFIXES = ("txt", "caption", "text", "cap")
 """The captions layout's text member: the first of these a sample has."""
 DEFAULT_PROMPTS = (
@@ -49,62 +47,12 @@ DEFAULT_PROMPTS = (
 )
 """The captions layout's prompts unless others are given."""
 
-_NUMBERED = re.compile(r"(\d+)\.([A-Za-z0-9]+)")
-
-
-class BadSample(ValueError):
-    """A sample's members do not make a sample of its layout; ``reason`` is a short code."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
 
 def split_name(name: str) -> tuple[str, str]:
     """``(key, suffix)`` of a tar member name, as webdataset splits it."""
     folder, _, base = name.rpartition("/")
     stem, dot, suffix = base.partition(".")
     return (f"{folder}/{stem}" if folder else stem), suffix
-
-
-def image_suffixes(suffixes: Sequence[str]) -> list[str]:
-    """The image members of a sample with ``suffixes``, in image order (see the module)."""
-    bare = [s for s in suffixes if s.lower() in IMAGE_EXTENSIONS]
-    numbered = []
-    for s in suffixes:
-        match = _NUMBERED.fullmatch(s)
-        if match and match.group(2).lower() in IMAGE_EXTENSIONS:
-            numbered.append((int(match.group(1)), s))
-    if bare and numbered or len(bare) > 1:
-        raise BadSample(
-            "ambiguous_images",
-            f"image members {sorted(bare + [s for _, s in numbered])}: either one bare image "
-            "suffix (jpg) or numbered ones (0.jpg, 1.jpg)",
-        )
-    numbered.sort()
-    if len({n for n, _ in numbered}) != len(numbered):
-        raise BadSample("ambiguous_images", f"two images share a number: {suffixes}")
-    if bare or numbered:
-        return bare or [s for _, s in numbered]
-    return _by_last_extension(suffixes, IMAGE_EXTENSIONS, "images")
-
-
-def video_suffixes(suffixes: Sequence[str]) -> list[str]:
-    """The video members of a sample with ``suffixes``, in video order: its one bare video
-    suffix (``mp4``) or its numbered ones (``1.mp4``, ...) in number order."""
-    bare = [s for s in suffixes if s.lower() in VIDEO_EXTENSIONS]
-    numbered = sorted(
-        (int(m.group(1)), s)
-        for s in suffixes
-        if (m := _NUMBERED.fullmatch(s)) and m.group(2).lower() in VIDEO_EXTENSIONS
-    )
-    if bare and numbered or len(bare) > 1:
-        raise BadSample(
-            "ambiguous_videos",
-            f"video members {sorted(bare + [s for _, s in numbered])}: either one bare video "
-            "suffix (mp4) or numbered ones (0.mp4, 1.mp4)",
-        )
-    return bare or [s for _, s in numbered]
 
 
 def image_extension(suffix: str) -> str:
@@ -233,14 +181,13 @@ class Layout:
         its members by suffix; ``BadSample`` if they do not make one."""
         if self.native:
             return dict(members)
-        images = image_suffixes(list(members))
-        videos = video_suffixes(list(members))
-        messages = self.messages(key, members, len(images), len(videos))
+        media = media_members(members)
+        messages = self.messages(key, members, len(media.images), len(media.videos))
         out = {"json": canonical_json(key, messages)}
-        files = {"image": iter(images), "video": iter(videos)}
+        files = {"image": iter(media.images), "video": iter(media.videos)}
         for n, kind in enumerate(media_order(messages)):  # numbered in the markers' order
             suffix = next(files[kind])
-            out[f"{n}.{image_extension(suffix)}"] = members[suffix]
+            out[media_name(n, image_extension(suffix))] = members[suffix]
         return out
 
 
@@ -262,7 +209,7 @@ def detect(samples: Sequence[Mapping[str, bytes]]) -> tuple[str, str]:
     for members in samples:
         suffixes = list(members)
         try:
-            images = image_suffixes(suffixes)
+            media = media_members(suffixes)
             text = find_member(suffixes, TEXT_SUFFIXES, "text")
             found = find_member(suffixes, ("json",), "json")
         except BadSample:
@@ -274,14 +221,16 @@ def detect(samples: Sequence[Mapping[str, bytes]]) -> tuple[str, str]:
                 doc = None
             if isinstance(doc, dict):
                 if "messages" in doc and "id" in doc and "source" in doc and "." not in found:
-                    numbered = all(_NUMBERED.fullmatch(s) for s in images)
+                    # as the writer names them; bare ones (KEY.mp4) are converted
+                    numbered = all(media_number(s) is not None for s in media.images + media.videos)
                     if numbered:
                         return "wdsvlm", "a json member with wdsvlm's id/source/messages"
                 for field_ in ("conversations", "texts", "messages"):
                     if field_ in doc:
                         return "conversations", f"a json member with '{field_}'"
-        if text and images:
-            return "captions", f"an image member ({images[0]}) and a text member ({text})"
+        if text and media.images:
+            image = media.images[0]
+            return "captions", f"an image member ({image}) and a text member ({text})"
     raise ValueError(
         "cannot tell the layout of these samples: no json member with 'conversations', "
         "'texts' or 'messages', and no image member beside a text member "

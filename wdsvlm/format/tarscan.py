@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import re
 import tarfile
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -25,7 +24,8 @@ from ..storage.fs import filesystem
 from .builder import sample_entry
 from .images import UnreadableImage, image_size
 from .index import FORMAT
-from .layouts import BadSample, Layout, image_suffixes, split_name, video_suffixes
+from .layouts import BadSample, Layout, split_name
+from .members import media_members
 from .tarball import BLOCK, padded
 from .videos import FRAMES, UnreadableVideo, probe_frames, probe_video
 
@@ -170,11 +170,9 @@ def scan_tar(url: str, layout: Layout, storage_options=None) -> dict:
 def _contents(key: str, members: Mapping[str, bytes], layout: Layout) -> tuple[list, list, list]:
     """A sample's images' displayed sizes, its turns' characters and what the index records
     of its videos, from its members."""
-    images = image_suffixes(list(members))
-    videos = video_suffixes(list(members))
+    media = media_members(members)  # the reader's rule: bare (KEY.mp4) or numbered (KEY.0.mp4)
+    images, videos = media.images, media.videos
     if layout.native:
-        if any(not re.fullmatch(r"\d+\..+", s) for s in images):
-            raise BadSample("bad_layout", "a wdsvlm sample's images are numbered (0.jpg)")
         try:
             chars = [len(m["content"]) for m in json.loads(members["json"])["messages"]]
         except (KeyError, TypeError, ValueError) as e:

@@ -23,18 +23,14 @@ from typing import Any
 import numpy as np
 
 from .images import UnreadableImage, decode_pixels, image_size
-from .members import FRAMES, VIDEO_EXTENSIONS
+from .members import FRAMES, VIDEO, VIDEO_EXTENSIONS, read_members  # noqa: F401 (shards.py's)
 from .tarball import HashingTarWriter, tar_members
 
 
 def video_members(sample: dict) -> list[str]:
-    """The sample's video member names (``1.mp4``, ...), in video order."""
-    found = []
-    for name in sample:
-        number, _, ext = name.partition(".")
-        if number.isdigit() and ext.lower() in VIDEO_EXTENSIONS:
-            found.append((int(number), name))
-    return [name for _, name in sorted(found)]
+    """The sample's video member names (``1.mp4``, ...), in video order, by the one rule of
+    ``format.members``."""
+    return read_members(sample, VIDEO)
 
 
 class UnreadableVideo(ValueError):
