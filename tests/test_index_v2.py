@@ -46,7 +46,7 @@ def test_an_upgrade_writes_sidecars_and_a_small_root_and_leaves_the_tars(upgrade
     assert {n: sha(os.path.join(folder, n)) for n in tars} == tars  # not rewritten
     root = json.load(open(os.path.join(folder, "index.json")))
     assert root["version"] == 3 and "shards" not in root
-    assert root["table"]["sha256"] == sha(os.path.join(folder, "index.shards"))
+    assert root["table"]["sha256"] == sha(os.path.join(folder, root["table"]["name"]))
     old = wdsvlm.load_index(EXAMPLE)
     new = wdsvlm.load_index(folder)
     for a, b in zip(old["shards"], new["shards"], strict=True):

@@ -3,8 +3,10 @@ block alone, from closed forms) and index version 3 (the shards in a binary tabl
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import re
 from collections import Counter
 
 import numpy as np
@@ -87,13 +89,13 @@ def test_the_workers_blocks_together_are_exactly_the_pass_on_any_topology(world,
     for pass_ in range(2):
         places, keys = [], []
         for rank in range(world):
-            plan = Plan.of_sources(sources, worker_config=WorkerConfig(rank, world, workers))
+            plan = Plan(sources, worker_config=WorkerConfig(rank, world, workers))
             for slot in range(plan.worker_config.workers_per_rank):
                 for span in plan.spans(pass_, plan.worker_config.global_worker(slot)):
                     places += span["positions"]
                     keys += [f"{span['shard']}/{e['key']}" for e in span["entries"]]
         assert places == list(range(plan.num_samples))  # in order, each once
-        alone = Plan.of_sources(sources, worker_config=WorkerConfig(0, 1, 0))
+        alone = Plan(sources, worker_config=WorkerConfig(0, 1, 0))
         assert keys == [
             f"{sp['shard']}/{e['key']}" for sp in alone.spans(pass_, 0) for e in sp["entries"]
         ]
@@ -184,18 +186,20 @@ def test_a_version_2_dataset_upgrades_in_place_and_loads_alike(version_2, tmp_pa
 
 def test_a_damaged_shard_table_is_named(version_2):
     run_cli("index", version_2, "--upgrade")
-    path = os.path.join(version_2, "index.shards")
+    name = json.load(open(os.path.join(version_2, "index.json")))["table"]["name"]
+    assert re.fullmatch(r"index-[0-9a-f]{16}\.shards", name)  # named by its digest
+    path = os.path.join(version_2, name)
     data = open(path, "rb").read()
     with open(path, "wb") as f:
         f.write(data[: len(data) // 2])
-    with pytest.raises(ShardFormatError, match=r"index.shards: its column .* ends past the file"):
+    with pytest.raises(ShardFormatError, match=rf"{name}: its column .* ends past the file"):
         wdsvlm.load_index(version_2)
     with open(path, "wb") as f:
         f.write(b"not a table at all")
-    with pytest.raises(ShardFormatError, match="index.shards: not a wdsvlm shard table"):
+    with pytest.raises(ShardFormatError, match=f"{name}: not a wdsvlm shard table"):
         wdsvlm.load_index(version_2)
     os.remove(path)
-    with pytest.raises(ShardFormatError, match="index.shards: the shard table is missing"):
+    with pytest.raises(ShardFormatError, match=f"{name}: the shard table is missing"):
         wdsvlm.load_index(version_2)
 
 

@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tarfile
 
 import pytest
@@ -132,7 +133,8 @@ def test_index_describes_shards_images_and_texts(llava_input, tmp_path):
         assert shard["sums"]["chars"] == sum(sum(e["chars"]) for e in listed)
         assert shard["keys"] == [listed[0]["key"], listed[-1]["key"]]
     root = json.load(open(os.path.join(out, "index.json")))
-    assert "shards" not in root and root["table"]["name"] == "index.shards"  # a row a shard
+    assert "shards" not in root and root["table"]["rows"] == len(index["shards"])  # a row a shard
+    assert re.fullmatch(r"index-[0-9a-f]{16}\.shards", root["table"]["name"])  # by its digest
     entries = [e for s in index["shards"] for e in s["entries"]]
     assert [e["chars"] for e in entries] == [
         [len(m["content"]) for m in json.loads(s["json"])["messages"]]
@@ -281,12 +283,14 @@ def test_existing_dataset_is_kept_unless_overwrite(llava_input, cauldron_input, 
     assert files_of(out) == before
     write_dataset(cpath, out, image_root=croot, overwrite=True, progress=False)
     # stale shards and their sidecars removed
-    assert sorted(os.listdir(out)) == [
-        "data-000000.idx",
-        "data-000000.tar",
-        "index.json",
-        "index.shards",
-    ]
+    assert sorted(os.listdir(out)) == sorted(
+        [
+            "data-000000.idx",
+            "data-000000.tar",
+            "index.json",
+            json.load(open(os.path.join(out, "index.json")))["table"]["name"],
+        ]
+    )
     assert len(stream(out)) == 3
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import BadInputError, InputError
-from ..storage.fs import join, publish_bytes, remove
+from ..storage.fs import join, list_names, publish_bytes, remove
 from .index import (
     FORMAT,
     INDEX_NAME,
@@ -185,8 +186,10 @@ def publish_root(
     version: int = NEWEST,
 ) -> None:
     """Publish the root index ``index`` (its ``shards`` any iterable) at ``output`` as ``version``
-    lays it out: 3, the shard table first, then a small ``index.json``; 2, every shard's entry
-    in ``index.json``. ``index.json`` comes last, so a reader sees a whole index or none."""
+    lays it out: 3, the shard table first (named by its digest), then a small ``index.json``;
+    2, every shard's entry in ``index.json``. ``index.json`` comes last, so a reader sees a whole
+    index or none, and the tables of earlier indexes there are removed after it: a reader of an
+    old ``index.json`` is told, when it opens its table again, that the dataset changed."""
     if version not in (2, NEWEST):
         raise ValueError(f"index_version must be 2 or {NEWEST}, not {version!r}")
     root = dict(index)
@@ -196,8 +199,14 @@ def publish_root(
     else:
         root.update(version=version, shards=list(root["shards"]))
     publish_bytes(dumps_index(root), join(output, INDEX_NAME), storage_options)
-    if version < 3:  # a table an earlier index of version 3 left there
-        remove(join(output, TABLE_NAME), storage_options)
+    kept = root.get("table", {}).get("name")
+    for name in list_names(output, storage_options):
+        if name != kept and (name == TABLE_NAME or _DIGEST_NAMED.fullmatch(name)):
+            remove(join(output, name), storage_options)
+
+
+_DIGEST_NAMED = re.compile(r"index-[0-9a-f]{16}\.shards")
+"""The name of a table of an earlier index there (``table.table_name``)."""
 
 
 def publish_skipped(

@@ -64,9 +64,10 @@ def load_index(source: str, storage_options: Mapping[str, Any] | None = None, po
     if index["version"] >= 3:  # the shards from their table, mapped
         from .table import ShardTable
 
-        table = index["table"]
+        table = dict(index["table"])  # checked at every open: a size and a row count
+        table.setdefault("rows", index.get("totals", {}).get("shards"))
         index["shards"] = ShardTable(
-            source, join(source, table["name"]), storage_options, policy, table.get("sha256")
+            source, join(source, table["name"]), storage_options, policy, table
         )
     elif index["version"] >= 2:  # each shard's entries from its sidecar, when first needed
         from .sidecar import LazyEntries

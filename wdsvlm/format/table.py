@@ -13,6 +13,14 @@ and each column's ``dtype``, ``shape`` and ``offset``), then the columns, each a
 raw bytes; the shards' names and first and last keys, UTF-8 bytes back to back with their ends.
 A row reads as the shard's entry of version 2 (``ShardTable[i]``); a shard's sidecar is named
 after it (``sidecar_name``).
+
+The table is named by its digest (``index-<16 hex digits of its sha256>.shards``; datasets
+written before that use ``index.shards``), written before ``index.json`` and the table an
+earlier ``index.json`` named removed after it: a dataset rewritten in place never shows the
+new table under the old ``index.json``. Every open (each DataLoader worker and Ray actor opens
+it again by its path) checks the file's size and row count against what ``index.json`` says
+of it: two numbers, so opening stays O(1) whatever the table's size (``wdsvlm verify`` checks
+its sha256 too, reading it whole).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from ..storage.fs import filesystem, is_local, join, publish_file, read_bytes, s
 from .sidecar import LazyEntries, sidecar_name
 
 TABLE_NAME = "index.shards"
+"""The table's name in datasets written before tables were named by their digest."""
 MAGIC = b"WDSVLMT1"
 SUMS = ("images", "text_only", "turns", "chars", "videos")
 _INTS = ("samples", "bytes", "sidecar_bytes", *SUMS)
@@ -113,12 +122,22 @@ class ShardTable(Sequence):
     """The shards of a version-3 index: ``table[i]`` is shard ``i``'s entry as version 2 gives
     it (its ``entries`` from its sidecar when first asked for), made when asked for; columns as
     numpy arrays (``samples``, ``bytes``, ...) over a read-only map of a local file, or over the
-    file's bytes for a remote one. A pickled table carries its address, not its data."""
+    file's bytes for a remote one. ``described``: what ``index.json`` says of the table
+    (``name``, ``bytes``, ``sha256``, ``rows``), checked on every open (``rows`` of an index
+    that does not record it: its shard total). A pickled table carries its address, not its
+    data, and opens again (checked) when first used where it is unpickled."""
 
-    def __init__(self, source: str, url: str, storage_options=None, policy=None, sha256=None):
-        self.source, self.url, self.sha256 = source, url, sha256
+    def __init__(self, source: str, url: str, storage_options=None, policy=None, described=None):
+        self.source, self.url = source, url
+        self.described = dict(described or {})
         self.storage_options, self.policy = dict(storage_options or {}), policy
         self._open()
+
+    @property
+    def table_sha256(self) -> str | None:
+        """The table file's own sha256, as ``index.json`` records it (``shard_sha256s``: the
+        shards' digests)."""
+        return self.described.get("sha256")
 
     def _open(self) -> None:
         fs, path = filesystem(self.url, self.storage_options)
@@ -130,22 +149,42 @@ class ShardTable(Sequence):
                 data = read_bytes(self.url, self.storage_options, self.policy)
         except FileNotFoundError:
             raise ShardFormatError(
-                f"{self.url}: the shard table is missing (index version 3 lists the shards there)"
+                f"{self.url}: the shard table is missing (index version 3 lists the shards "
+                f"there){_rewritten(self.source, self.url, self.storage_options, self.policy)}"
             ) from None
         except ValueError as e:  # mmap of an empty file
             raise ShardFormatError(f"{self.url}: not a shard table ({e})") from None
-        self._data = data
-        self.columns = _columns(data, self.url)
-        self.rows = len(self.columns["samples"])
+        columns = _columns(data, self.url)
+        self._check(len(data), len(columns["samples"]))
+        self.__dict__.update(_data=data, columns=columns, rows=len(columns["samples"]))
         for name in _INTS:
-            setattr(self, name, self.columns[name])
+            self.__dict__[name] = columns[name]
+
+    def _check(self, size: int, rows: int) -> None:
+        """The file is the one ``index.json`` names: its size and row count as recorded."""
+        said = {"bytes": self.described.get("bytes"), "rows": self.described.get("rows")}
+        found = {"bytes": size, "rows": rows}
+        wrong = [k for k, v in said.items() if v is not None and v != found[k]]
+        if wrong:
+            raise ShardFormatError(
+                f"{self.url}: {size} bytes and {rows} shards, but the index.json that names it "
+                f"says {said['bytes']} bytes and {said['rows']} shards: the dataset was "
+                "rewritten in place after that index.json was read (build a new Loader to "
+                "read the dataset as it is now), or the table was damaged (`wdsvlm verify`)"
+            )
+
+    def __getattr__(self, name):
+        # only for names not set yet: the columns of a table unpickled and not opened yet
+        if name in _OPENED:
+            self._open()
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k not in ("_data", "columns", *_INTS)}
+        return {k: v for k, v in self.__dict__.items() if k not in _OPENED}
 
     def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._open()
+        self.__dict__.update(state)  # opened (and checked) when first used, where it is used
 
     def __len__(self) -> int:
         return self.rows
@@ -165,7 +204,7 @@ class ShardTable(Sequence):
             start = stop - first
         return out
 
-    def sha256s(self, a: int, b: int) -> list[str | None]:
+    def shard_sha256s(self, a: int, b: int) -> list[str | None]:
         """The sha256 (hex) of shards ``a`` to ``b``, None where the index has none."""
         rows = self.columns["sha256"][a:b]
         text = rows.tobytes().hex()
@@ -210,6 +249,32 @@ class ShardTable(Sequence):
         return (self[i] for i in range(len(self)))
 
 
+_OPENED = ("_data", "columns", "rows", *_INTS)
+"""What a table holds once its file is opened: not pickled, made again where it is unpickled."""
+
+
+def _rewritten(source: str, url: str, storage_options, policy) -> str:
+    """Why a table named by an ``index.json`` is gone, where ``index.json`` now names another."""
+    from .index import INDEX_NAME
+
+    try:
+        now = json.loads(read_bytes(join(source, INDEX_NAME), storage_options, policy))
+        name = now["table"]["name"]
+    except Exception:  # noqa: BLE001 - only an explanation; the error is raised either way
+        return ""
+    if name == url.rsplit("/", 1)[-1].rsplit(os.sep, 1)[-1]:
+        return ""
+    return (
+        f"; {join(source, INDEX_NAME)} now names {name}: the dataset was rewritten in place after "
+        "its index.json was read (build a new Loader to read the dataset as it is now)"
+    )
+
+
+def table_name(sha256: str) -> str:
+    """The name of the table of this sha256: ``index-<its first 16 hex digits>.shards``."""
+    return f"index-{sha256[:16]}.shards"
+
+
 def _text(data: np.ndarray, ends: np.ndarray, i: int) -> str:
     start = int(ends[i - 1]) if i else 0
     return data[start : int(ends[i])].tobytes().decode("utf-8")
@@ -239,21 +304,22 @@ def _columns(data, where: str) -> dict[str, np.ndarray]:
 
 
 def write_table(folder: str, shards: Iterable[Mapping[str, Any]], storage_options=None) -> dict:
-    """Publish ``index.shards`` of ``shards`` (taken one at a time) in ``folder``; return what
-    ``index.json`` says of it (``name``, ``bytes``, ``sha256``)."""
+    """Publish the table of ``shards`` (taken one at a time) in ``folder``, named by its digest
+    (``table_name``); return what ``index.json`` says of it (``name``, ``bytes``, ``sha256``,
+    ``rows``)."""
     builder = TableBuilder()
     for shard in shards:
         builder.add(shard)
-    url = join(folder, TABLE_NAME)
-    tmp = staging_file(url, storage_options)
+    tmp = staging_file(join(folder, TABLE_NAME), storage_options)
     builder.finish(tmp)
     digest, size = hashlib.sha256(), 0
     with open(tmp, "rb") as f:
         while block := f.read(1 << 20):
             digest.update(block)
             size += len(block)
-    publish_file(tmp, url, storage_options)
-    return {"name": TABLE_NAME, "bytes": size, "sha256": digest.hexdigest()}
+    name = table_name(digest.hexdigest())
+    publish_file(tmp, join(folder, name), storage_options)
+    return {"name": name, "bytes": size, "sha256": digest.hexdigest(), "rows": builder.rows}
 
 
-__all__ = ["TABLE_NAME", "ShardTable", "TableBuilder", "write_table"]
+__all__ = ["TABLE_NAME", "ShardTable", "TableBuilder", "table_name", "write_table"]

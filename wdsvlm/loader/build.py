@@ -127,6 +127,9 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
             family=family,
             stats=skips,
             image_map=user_step(ImageMap, settings.image_map, settings),
+            sources=plan.mixture,  # sample_sources in every batch, its empty rows' too
+            max_video_pixels=settings.max_video_pixels,
+            video_threads=settings.video_threads,
         ),
         skips,
         batches,
@@ -311,7 +314,7 @@ def _name_samples_bytes(shards, a: int, b: int) -> list:
 
 def _sha256s(shards, a: int, b: int) -> list:
     if isinstance(shards, ShardTable):
-        return shards.sha256s(a, b)
+        return shards.shard_sha256s(a, b)
     return [h.get("sha256") for h in shards[a:b]]
 
 

@@ -1,5 +1,6 @@
 """A local object store for tests and benches: static files over HTTP on 127.0.0.1 with byte
-ranges, as object stores serve them, each ranged answer a set time late (a store's latency)."""
+ranges, as object stores serve them, each ranged answer a set time late (a store's latency),
+counting what it is asked for and what it sends."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ from collections.abc import Iterator
 class RangeServer(http.server.ThreadingHTTPServer):
     """Static files of ``folder`` with byte ranges (``Range: bytes=a-b``), each ranged answer
     ``delay`` seconds late; ``requests`` counts the ranged requests, ``most_at_once`` is the
-    most of them it has had in flight at once."""
+    most of them it has had in flight at once, ``gets`` and ``heads`` count every GET and HEAD
+    (a missing file's too), ``served`` the body bytes the GETs sent, and ``served_by_name``
+    those bytes per file name."""
 
     def __init__(self, folder: str, delay: float = 0.0):
         self.folder, self.delay = folder, delay
         self.requests = self.most_at_once = self._at_once = 0
+        self.gets = self.heads = self.served = 0
+        self.served_by_name: dict[str, int] = {}
         self._lock = threading.Lock()
         super().__init__(("127.0.0.1", 0), _Ranges)
 
@@ -32,12 +37,29 @@ class RangeServer(http.server.ThreadingHTTPServer):
             self.requests += step > 0
             self.most_at_once = max(self.most_at_once, self._at_once)
 
+    def sent(self, name: str, size: int) -> None:
+        with self._lock:
+            self.served += size
+            self.served_by_name[name] = self.served_by_name.get(name, 0) + size
+
+    def asked(self, method: str) -> None:
+        with self._lock:
+            if method == "GET":
+                self.gets += 1
+            else:
+                self.heads += 1
+
 
 class _Ranges(http.server.SimpleHTTPRequestHandler):
     def __init__(self, request, address, server: RangeServer):
         super().__init__(request, address, server, directory=server.folder)
 
+    def do_HEAD(self):
+        self.server.asked("HEAD")
+        super().do_HEAD()
+
     def do_GET(self):
+        self.server.asked("GET")
         path = self.translate_path(self.path)
         if not os.path.isfile(path):
             return self.send_error(404)
@@ -56,6 +78,7 @@ class _Ranges(http.server.SimpleHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
+        self.server.sent(os.path.basename(path), len(data))
         self.wfile.write(data)
 
     def log_message(self, *args):
