@@ -36,7 +36,7 @@ def source(index, name="d", copies=1, extra=0):
 def plan_of(
     sources, world=1, workers=0, rank=0, seed=5, span_bytes=4000, span_samples=32, version=3
 ):
-    return Plan.of_sources(
+    return Plan(
         sources,
         mixture=len(sources) > 1,
         seed=seed,
@@ -157,7 +157,7 @@ def test_after_the_default_shuffle_buffer_few_samples_of_a_batch_share_a_shard(
 
     defaults = LoaderSettings()
     index = fake_index([per_shard] * shards, sample_bytes=sample_bytes)
-    plan = Plan.of_sources(
+    plan = Plan(
         [source(index)],
         seed=defaults.seed,
         worker_config=WorkerConfig(0, 1, workers),
@@ -196,7 +196,7 @@ def test_chunks_hold_at_most_span_samples_and_image_sized_samples_keep_theirs(ve
         for sp in spans:  # a read of one shard
             assert {e["key"].split("-")[0] for e in sp["entries"]} == {f"d{int(sp['shard'][2:8])}"}
     assert caps_chunks(text, 2**20, 32) and not caps_chunks(text, 2**20, None)
-    uncapped = Plan.of_sources(
+    uncapped = Plan(
         text, seed=5, span_bytes=2**20, span_samples=None, version=version
     )  # at most a shard's samples (version 3: the mean shard's)
     assert [len(sp["entries"]) for sp in uncapped.spans(0, 0)] == [100] * 20
@@ -205,9 +205,7 @@ def test_chunks_hold_at_most_span_samples_and_image_sized_samples_keep_theirs(ve
     capped = [
         sp["entries"] for sp in plan_of(images, span_bytes=2**20, version=version).spans(0, 0)
     ]
-    as_before = Plan.of_sources(
-        images, seed=5, span_bytes=2**20, span_samples=None, version=version
-    )
+    as_before = Plan(images, seed=5, span_bytes=2**20, span_samples=None, version=version)
     assert capped == [sp["entries"] for sp in as_before.spans(0, 0)]
 
 

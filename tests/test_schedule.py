@@ -122,8 +122,7 @@ def test_the_share_of_any_200_batches_is_within_2_points_of_the_schedule():
     schedule = Schedule(
         [((0.0, 1.0), (1000.0, 0.2)), ((0.0, 1.0),)], ["linear", "step"], [a.size, b.size], 0
     )
-    plan = Plan.of_sources([a, b], seed=0, worker_config=WorkerConfig(), span_bytes=2**20)
-    plan.schedule = schedule
+    plan = Plan([a, b], seed=0, worker_config=WorkerConfig(), span_bytes=2**20, schedule=schedule)
     plan.time_passes(per_pass, per_pass // per_batch)
     assert plan.num_samples == per_pass
     samples = (

@@ -39,6 +39,7 @@ from ..errors import ShardFormatError, StorageError
 from . import order
 from .keyed import KeyedOrder
 from .order import SPAN_BYTES, SPAN_SAMPLES, PassOrder, joins, one_read
+from .schedule import Schedule
 from .sources import DataSource, resolve_sources
 
 log = logging.getLogger("wdsvlm.plan")
@@ -119,6 +120,16 @@ def check_version(version: int) -> int:
     return version
 
 
+def _resolved(source: Any) -> bool:
+    """Whether ``source`` is ``DataSource``s already resolved (rather than what to resolve)."""
+    return (
+        isinstance(source, Sequence)
+        and not isinstance(source, str)
+        and bool(source)
+        and all(isinstance(s, DataSource) for s in source)
+    )
+
+
 def worker_share(total: int, global_worker: int, global_workers: int) -> tuple[int, int]:
     """``[start, stop)`` of one global worker's contiguous block: sizes differ by at most one."""
     base, extra = divmod(total, global_workers)
@@ -130,11 +141,14 @@ class Plan(IterableDataset):
     """Pipeline source: this worker's spans for one pass, ready for ``ReadSamples``.
 
     ``source`` is a dataset folder or URL, tar URLs (see ``resolve_source``), or a mixture
-    (``Source`` list or mixture file; see ``sources.py``). Each pass has one global order
-    (``PassOrder``), the same on every topology; global worker ``w`` of ``G`` reads the
-    contiguous block ``worker_share(pass size, w, G)`` of it, in that order. A sample's place
-    is ``[pass, place in the pass's order]``. Iterating (or calling) a ``Plan`` inside a
-    DataLoader worker yields that worker's share of pass ``epoch``.
+    (``Source`` list or mixture file; see ``sources.py``), or ``DataSource``s already resolved
+    (indexes in memory, each with its share of a pass; ``schedule`` their weight schedule, if
+    any). Each pass has one global order (``PassOrder``), the same on every topology; global
+    worker ``w`` of ``G`` reads the contiguous block ``worker_share(pass size, w, G)`` of it,
+    in that order. A sample's place is ``[pass, place in the pass's order]``. Iterating (or
+    calling) a ``Plan`` inside a DataLoader worker yields that worker's share of pass
+    ``epoch``. ``mixture``: whether keys name their source; by default yes for a ``Source``
+    list, a mixture file and resolved sources, no for one dataset.
 
     ``evaluation=True``: every sample of every source once a pass (``repeat``, ``choose`` and
     ``weight`` set aside), in the order the indexes list them: sources, shards, samples.
@@ -154,52 +168,36 @@ class Plan(IterableDataset):
         samples_per_pass: int | None = None,
         evaluation: bool = False,
         version: int = PLAN_VERSION,
+        mixture: bool | None = None,
+        schedule: Schedule | None = None,
     ):
         super().__init__()
-        found = resolve_sources(source, storage_options, read_policy, samples_per_pass)
-        sources, mixture, schedule = found
-        worker_config = worker_config or WorkerConfig.from_environment()
+        if _resolved(source):
+            sources, named = list(source), True
+        elif schedule is not None:
+            raise TypeError("schedule= goes with DataSources already resolved")
+        else:
+            sources, named, schedule = resolve_sources(
+                source, storage_options, read_policy, samples_per_pass
+            )
         if evaluation:  # every sample of every source once, as the indexes list them
             for s in sources:
                 s.copies, s.extra = 1, 0
             schedule = None
-        self._take(sources, mixture, seed, epoch, worker_config, span_bytes, span_samples)
+        self.sources = sources
+        self.mixture = named if mixture is None else mixture
+        self.index, self.urls = sources[0].index, sources[0].urls
+        self.seed, self._epoch = seed, epoch
+        self.span_bytes, self.span_samples = span_bytes, span_samples
+        self.worker_config = worker_config or WorkerConfig.from_environment()
         self.evaluation, self.schedule, self.version = evaluation, schedule, check_version(version)
+        self._orders: OrderedDict[int, PassOrder] = OrderedDict()
         for s in self.sources:
             if s.size == 0:
                 raise ValueError(f"{s.index.get('source', s.name)}: the dataset has no samples")
         if self.num_samples == 0:
-            raise ValueError(f"{source}: a pass of the mixture holds no samples")
-
-    @classmethod
-    def of_sources(
-        cls,
-        sources: Sequence[DataSource],
-        *,
-        mixture: bool = True,
-        seed: int = 0,
-        epoch: int = 0,
-        worker_config: WorkerConfig | None = None,
-        span_bytes: int = SPAN_BYTES,
-        span_samples: int | None = SPAN_SAMPLES,
-        version: int = PLAN_VERSION,
-    ) -> Plan:
-        """A plan over sources already resolved (indexes in memory)."""
-        plan = cls.__new__(cls)
-        IterableDataset.__init__(plan)
-        config = worker_config or WorkerConfig()
-        plan._take(sources, mixture, seed, epoch, config, span_bytes, span_samples)
-        plan.version = check_version(version)
-        return plan
-
-    def _take(self, sources, mixture, seed, epoch, worker_config, span_bytes, span_samples):
-        self.sources, self.mixture = list(sources), mixture
-        self.index, self.urls = self.sources[0].index, self.sources[0].urls
-        self.seed, self._epoch, self.span_bytes = seed, epoch, span_bytes
-        self.span_samples = span_samples
-        self.evaluation, self.schedule, self.version = False, None, PLAN_VERSION
-        self.worker_config = worker_config
-        self._orders: OrderedDict[int, PassOrder] = OrderedDict()
+            what = ", ".join(s.name for s in sources) if _resolved(source) else source
+            raise ValueError(f"{what}: a pass of the mixture holds no samples")
 
     def __getstate__(self):
         return {**self.__dict__, "_orders": OrderedDict()}
