@@ -4,14 +4,20 @@ the same exact length on every rank, empty rows where a rank has run out, no car
 from __future__ import annotations
 
 import json
+import math
 import os
+import types
 
 import pytest
+import torch
 
 import wdsvlm
+from wdsvlm.hf import evaluation_loss
+from wdsvlm.pipeline.collate import Collate
 from wdsvlm.write.writer import write_dataset
 
 from .conftest import EXAMPLE, write_jsonl
+from .test_ddp import ddp
 
 TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
 SMALL = {"tile_size": 128, "max_image_side": 256, "tokens_per_tile": 16}
@@ -102,3 +108,75 @@ def test_a_mixture_is_every_sample_of_each_source_once_with_its_source_named():
 def test_an_evaluation_loader_refuses_an_epoch_length():
     with pytest.raises(ValueError, match="batches_per_epoch is set with evaluation=True"):
         wdsvlm.Loader(EXAMPLE, TOKENIZER, batches_per_epoch=3, **OPTIONS)
+
+
+def one_sample_dataset(folder: str, question: str, answer: str) -> str:
+    records = [{"id": "only", "conversations": [
+        {"from": "human", "value": question}, {"from": "gpt", "value": answer},
+    ]}]  # fmt: skip
+    write_dataset(write_jsonl(folder + ".jsonl", records), folder, progress=False)
+    return folder
+
+
+class TinyLM(torch.nn.Module):
+    """A language model of an embedding and a projection: each token's logits depend on that
+    token alone, so its loss is the same in any row, batch or rank."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, 16)
+        self.out = torch.nn.Linear(16, vocab)
+
+    def forward(self, input_ids, position_ids):
+        return types.SimpleNamespace(logits=self.out(self.embed(input_ids)))
+
+
+def evaluate_mixtures(mixtures: dict, **topology) -> dict:
+    """``evaluation_loss`` of the same tiny model over each mixture (name -> [(source name,
+    folder)]) on this rank."""
+    figures = {}
+    for name, sources in mixtures.items():
+        mixture = [wdsvlm.Source(folder, name=source) for source, folder in sources]
+        loader = wdsvlm.Loader(mixture, TOKENIZER, **OPTIONS, **topology)
+        torch.manual_seed(0)
+        model = TinyLM(len(loader.tokenizer))
+        figures[name] = evaluation_loss(model, loader)
+    return figures
+
+
+def _evaluate_rank(rank, job):
+    return evaluate_mixtures(job["mixtures"])
+
+
+@pytest.mark.processes
+def test_a_mixture_evaluates_on_three_ranks_where_one_has_only_empty_rows(tmp_path):
+    """Two one-sample sources over three ranks (real processes, one gloo group): the rank
+    without a sample runs batches of empty rows, which carry ``sample_sources`` too, and every
+    rank gets the per-source losses of one process evaluating alone. A source whose sample
+    cannot be packed (longer than max_length) has no token on any rank: no loss for it, not
+    0.0."""
+    a = one_sample_dataset(str(tmp_path / "a"), "What is two and two?", "Four.")
+    b = one_sample_dataset(str(tmp_path / "b"), "Name a colour.", "Blue, like the sky.")
+    c = one_sample_dataset(str(tmp_path / "c"), "Say a lot.", "word " * 3000)
+    mixtures = {"ab": [("a", a), ("b", b)], "abc": [("a", a), ("b", b), ("c", c)]}
+    ranks = ddp({"run": _evaluate_rank, "mixtures": mixtures, "out": str(tmp_path)}, 3, 300)
+    alone = evaluate_mixtures(mixtures, rank=0, world_size=1)
+    for figures in ranks:
+        assert figures.keys() == alone.keys()
+        for name in mixtures:
+            assert figures[name] == pytest.approx(alone[name], rel=1e-9)
+    ab = ranks[0]["ab"]
+    assert ab["tokens/a"] > 0 and ab["tokens/b"] > 0
+    assert ab["tokens"] == ab["tokens/a"] + ab["tokens/b"]
+    assert math.isfinite(ab["loss/a"]) and math.isfinite(ab["loss/b"])
+    abc = ranks[0]["abc"]
+    assert abc["tokens/c"] == 0 and "loss/c" not in abc
+    assert {k: abc[k] for k in ab} == pytest.approx(ab, rel=1e-9)
+
+
+def test_a_batch_of_empty_rows_of_a_mixture_names_its_rows_sources():
+    """Every key a consumer reads is in every batch: a mixture's batch of empty rows (the end
+    of an evaluation pass, or a batch whose every sample failed) has ``sample_sources``."""
+    batch = Collate(16, 3, 0, sources=True)([])
+    assert batch["sample_sources"] == [[], [], []] and batch["sample_keys"] == [[], [], []]
+    assert "sample_sources" not in Collate(16, 3, 0)([])  # one source: no sources named

@@ -25,7 +25,9 @@ def evaluation_loss(model: Any, loader: Any, device: Any = None) -> dict[str, fl
     pass of ``loader`` (an evaluation Loader) on every rank: the cross-entropy of each
     supervised next token in float32, summed, over the count of those tokens. The sums are
     added over the ranks with ``torch.distributed`` when it is initialized; every rank gets
-    the same figures. The per-source figures come with a mixture."""
+    the same figures. The per-source figures come with a mixture; a source with no
+    supervised token on any rank (its samples all left out) has its ``tokens/SOURCE`` (0) and
+    no ``loss/SOURCE``; with no supervised token at all, ``loss`` is NaN."""
     if not loader.settings.evaluation:
         raise WdsvlmError(
             "evaluation takes a Loader made with evaluation=True: one whole pass, every sample "
@@ -58,11 +60,13 @@ def evaluation_loss(model: Any, loader: Any, device: Any = None) -> dict[str, fl
         model.train(was_training)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(sums)
-    figures = {"loss": (sums[0] / sums[1].clamp(min=1)).item(), "tokens": int(sums[1])}
+    tokens = int(sums[1])  # a mean over no token is no figure: NaN, never 0.0
+    figures = {"loss": (sums[0] / tokens).item() if tokens else float("nan"), "tokens": tokens}
     for k, name in enumerate(names, start=1):
-        loss, tokens = sums[2 * k], sums[2 * k + 1]
-        figures[f"loss/{name}"] = (loss / tokens.clamp(min=1)).item()
-        figures[f"tokens/{name}"] = int(tokens)
+        tokens = int(sums[2 * k + 1])
+        if tokens:
+            figures[f"loss/{name}"] = (sums[2 * k] / tokens).item()
+        figures[f"tokens/{name}"] = tokens
     return figures
 
 
@@ -88,7 +92,8 @@ def add_by_source(sums, names: list[str], batch: dict, losses, supervised) -> No
 def trainer_evaluate(trainer: Any, loader: Any, prefix: str) -> dict[str, float]:
     """What a ``wdsvlm.hf`` Trainer's ``evaluate()`` returns and logs for an evaluation
     Loader: ``{prefix}_loss`` over every supervised token of every rank, per source
-    ``{prefix}_loss_{source}`` for a mixture, and the run time; the callbacks' ``on_evaluate``
+    ``{prefix}_loss_{source}`` for a mixture (not for a source with no supervised token), and
+    the run time; the callbacks' ``on_evaluate``
     is called as the Trainer calls it. The training Loader is not touched."""
     import time
 

@@ -39,6 +39,10 @@ class Collate:
     ``image_config``) and the batch gets the family's fields: for a processor's family its
     name (``family``), the pixel table that ``model_inputs`` normalises with, and for the
     Qwen family ``image_grid_thw`` and ``position_ids`` ``[4, B, L]``.
+
+    Every batch of one Collate has the same keys, whatever its rows hold: with ``sources``
+    (a mixture) ``sample_sources`` is there also in a batch of empty rows (the end of an
+    evaluation pass, a batch whose every sample failed), as B empty lists.
     """
 
     def __init__(
@@ -51,8 +55,10 @@ class Collate:
         family: Family | None = None,
         stats: SkipStats | None = None,
         image_map: ImageMap | None = None,
+        sources: bool = False,
     ):
         self.family = family or TilingFamily(image_config)
+        self.sources = sources
         self.image_map = image_map
         self._constant_fields = self.family.constant_fields()  # made once, in every batch
         self.max_length = max_length
@@ -94,7 +100,7 @@ class Collate:
                 videos = _without(videos, [of_videos for _, _, of_videos in failed])
             gone = {id(s) for s, _, _ in failed}
             rows = [[s for s in row if id(s) not in gone] for row in rows]
-        batch = collate_rows(rows, self.max_length, self.pad_token_id, pixels)
+        batch = collate_rows(rows, self.max_length, self.pad_token_id, pixels, sources=self.sources)
         if videos is not None:
             batch["video_pixels"] = videos
             kept = [s for row in rows for s in row]
@@ -145,10 +151,17 @@ def uint8_units(shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def collate_rows(
-    rows: list[list[dict]], max_length: int, pad_token_id: int, pixels: torch.Tensor
+    rows: list[list[dict]],
+    max_length: int,
+    pad_token_id: int,
+    pixels: torch.Tensor,
+    *,
+    sources: bool = False,
 ) -> dict[str, Any]:
     """The batch tensors for ``rows`` (each a list of samples, in pack order); ``pixels``
-    holds their tiles already, in the same order."""
+    holds their tiles already, in the same order. ``sample_sources`` comes with ``sources``
+    (a mixture's batches: there even when every row is empty) or with any sample that names
+    its source."""
     b = len(rows)
     input_ids = np.full((b, max_length), pad_token_id, dtype=np.int64)
     labels = np.full((b, max_length), IGNORE_INDEX, dtype=np.int64)
@@ -188,7 +201,7 @@ def collate_rows(
         "sample_keys": [[sample_name(s) for s in row] for row in rows],
         "sample_passes": [[s.get("__pass__", 0) for s in row] for row in rows],
     }
-    if any("__source__" in s for s in samples):  # a mixture: which source each sample is of
+    if sources or any("__source__" in s for s in samples):  # which source each sample is of
         batch["sample_sources"] = [[s.get("__source__") for s in row] for row in rows]
     return batch
 
