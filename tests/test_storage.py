@@ -338,28 +338,11 @@ def test_worker_processes_fill_one_cache_together(s3_bucket, tmp_path):
     )
 
 
-class CountingServer(RangeServer):
-    """A ``RangeServer`` that also counts, in ``served``, the body bytes its GETs sent."""
-
-    def __init__(self, folder: str, delay: float = 0.0):
-        super().__init__(folder, delay)
-        self.served, counted, server = 0, threading.Lock(), self
-
-        class Counting(self.RequestHandlerClass):
-            def send_header(self, name, value):
-                if self.command == "GET" and name == "Content-Length":
-                    with counted:
-                        server.served += int(value)
-                super().send_header(name, value)
-
-        self.RequestHandlerClass = Counting
-
-
 @contextlib.contextmanager
 def counting_store(folder: str, sizes: list[int], delay: float):
     """Blobs of random bytes of these sizes in ``folder``, served on 127.0.0.1 by a
-    ``CountingServer`` answering each ranged read ``delay`` seconds late; yields the server and
-    the shards as ``(url, local path, size, sha256)``."""
+    ``RangeServer`` (it counts the bytes it serves) answering each ranged read ``delay``
+    seconds late; yields the server and the shards as ``(url, local path, size, sha256)``."""
     os.makedirs(folder)
     shards = []
     for i, size in enumerate(sizes):
@@ -368,7 +351,7 @@ def counting_store(folder: str, sizes: list[int], delay: float):
         with open(path, "wb") as f:
             f.write(data)
         shards.append((f"blob-{i:02d}.tar", path, size, hashlib.sha256(data).hexdigest()))
-    server = CountingServer(folder, delay)
+    server = RangeServer(folder, delay)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

@@ -9,7 +9,8 @@ latency); the spans come out in the plan's order whatever order their reads end 
 stays open between spans, and the threads end with the stage.
 A sample whose bytes are cut short (a truncated shard) or do not parse as tar members of its
 key is skipped and counted. A shard that cannot be read raises ``StorageError`` naming it, or
-with ``on_shard_error="skip"`` has its samples counted as skipped (``unreadable_shard``).
+with ``on_shard_error="skip"`` has its samples counted as skipped (``unreadable_shard``); a
+shard the store does not have is asked for once a pass, not once a span.
 With a ``cache`` (``cache.ShardCache``), shards are read from local disk once fetched (those
 whose index records a sha256: the cache keys on it, so a rewritten shard is fetched anew).
 """
@@ -22,7 +23,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ..errors import StorageError
+from ..errors import ObjectNotFoundError, StorageError
 from ..format.layouts import BadSample, Layout
 from ..format.tarball import tar_members
 from ..storage.cache import ShardCache
@@ -72,9 +73,17 @@ class ReadSamples:
         self.on_shard_error = on_shard_error
         self.cache = cache
 
-    def _read(self, span: dict, cancel: threading.Event | None = None) -> bytes | StorageError:
+    def _read(
+        self, span: dict, cancel: threading.Event | None = None, missing: set | None = None
+    ) -> bytes | StorageError:
+        """The span's bytes, or the ``StorageError`` of its read. ``missing``: the ``(url,
+        pass)`` of the shards found missing so far (by any reader thread): not asked for
+        again in that pass, since every read of them fails alike."""
         if "failed" in span:  # nothing to read: the plan could not list its samples
             return b""
+        found = (span["url"], span.get("pass"))
+        if missing is not None and found in missing:
+            return ObjectNotFoundError(f"{span['url']}: missing (found so earlier in this pass)")
         options = span.get("storage_options")  # a mixture's source may have its own
         options = self.storage_options if options is None else options
         try:
@@ -97,14 +106,17 @@ class ReadSamples:
                 cancel,
             )
         except StorageError as e:
+            if isinstance(e, ObjectNotFoundError) and missing is not None:
+                missing.add(found)
             return e
 
     def _fetched(self, spans: Iterator[dict]) -> Iterator[tuple[dict, bytes | StorageError]]:
         """``(span, its bytes or the error)`` in order, up to ``read_ahead`` read at once by
         reader threads, the plan walked by a background thread."""
+        missing: set[tuple] = set()  # (url, pass) of shards the store does not have
         if not self.read_ahead:
             for span in spans:
-                yield span, self._read(span)
+                yield span, self._read(span, None, missing)
             return
         # ``ready`` holds reads in the plan's order, begun or done: its bound keeps the bytes
         # held to a few spans. ``jobs`` hands the same reads to the readers, in that order.
@@ -143,7 +155,7 @@ class ReadSamples:
                     read.done.set()
                     continue
                 try:
-                    read.data = self._read(span, stop)
+                    read.data = self._read(span, stop, missing)
                 except BaseException as e:  # noqa: BLE001 - a bug: raised in its place
                     read.error = e
                 read.done.set()

@@ -262,13 +262,45 @@ def read_range(
     policy = policy or ReadPolicy()
     fs, path = filesystem(url, storage_options)
     parts: list = []  # what each request gave, joined at the end (one request: no copy)
-    at, failures = start, 0
+    at = start
     while stop is None or at < stop:
+        end = None if stop is None else min(stop, at + policy.block_bytes)
+        data = _retrying(
+            url, at, lambda a=at, e=end: _fetch(fs, path, a, e, policy.timeout), policy, cancel
+        )
+        if not data:
+            break  # the object ends before stop
+        parts.append(data)
+        at += len(data)
+        if stop is None:
+            break
+    if len(parts) == 1 and type(parts[0]) is bytes:
+        return parts[0]
+    return b"".join(parts)
+
+
+def object_size(
+    url: str, storage_options: Mapping[str, Any] | None = None, policy: ReadPolicy | None = None
+) -> int:
+    """The size of the file or object at ``url`` (one request to a store: a HEAD), asked for
+    again on transient errors as ``read_range`` does; ``ObjectNotFoundError`` if it is not
+    there."""
+    policy = policy or ReadPolicy()
+    fs, path = filesystem(url, storage_options)
+    return int(_retrying(url, 0, lambda: fs.size(path), policy, None))
+
+
+def _retrying(url: str, at: int, request, policy: ReadPolicy, cancel: threading.Event | None):
+    """``request()``, asked again after a backoff with jitter while it fails with a transient
+    error, ``policy.attempts`` tries in all. A permanent error of the store raises
+    ``StorageError`` (``ObjectNotFoundError`` for a missing object) naming ``url`` and the byte
+    ``at``; any other exception (a bug) is raised as it is, at once."""
+    failures = 0
+    while True:
         if cancel is not None and cancel.is_set():
             raise StorageError(f"{url}: read cancelled at byte {at}")
-        end = None if stop is None else min(stop, at + policy.block_bytes)
         try:
-            data = _fetch(fs, path, at, end, policy.timeout)
+            return request()
         except Exception as e:  # noqa: BLE001 - classified below; every path re-raises or retries
             cause = f"{type(e).__name__}: {e}".strip()
             if not is_transient(e):
@@ -291,17 +323,6 @@ def read_range(
                 cancel.wait(wait * (0.5 + random.random()))
             else:
                 time.sleep(wait * (0.5 + random.random()))
-            continue
-        if not data:
-            break  # the object ends before stop
-        parts.append(data)
-        at += len(data)
-        failures = 0
-        if stop is None:
-            break
-    if len(parts) == 1 and type(parts[0]) is bytes:
-        return parts[0]
-    return b"".join(parts)
 
 
 def _ignore_outcome(task) -> None:

@@ -16,14 +16,15 @@ class RangeServer(http.server.ThreadingHTTPServer):
     """Static files of ``folder`` with byte ranges (``Range: bytes=a-b``), each ranged answer
     ``delay`` seconds late; ``requests`` counts the ranged requests, ``most_at_once`` is the
     most of them it has had in flight at once, ``gets`` and ``heads`` count every GET and HEAD
-    (a missing file's too), ``served`` the body bytes the GETs sent, and ``served_by_name``
-    those bytes per file name."""
+    (a missing file's too), ``asked_by_name`` both per file name, ``served`` the body bytes the
+    GETs sent, and ``served_by_name`` those bytes per file name."""
 
     def __init__(self, folder: str, delay: float = 0.0):
         self.folder, self.delay = folder, delay
         self.requests = self.most_at_once = self._at_once = 0
         self.gets = self.heads = self.served = 0
         self.served_by_name: dict[str, int] = {}
+        self.asked_by_name: dict[str, int] = {}
         self._lock = threading.Lock()
         super().__init__(("127.0.0.1", 0), _Ranges)
 
@@ -42,8 +43,9 @@ class RangeServer(http.server.ThreadingHTTPServer):
             self.served += size
             self.served_by_name[name] = self.served_by_name.get(name, 0) + size
 
-    def asked(self, method: str) -> None:
+    def asked(self, method: str, name: str) -> None:
         with self._lock:
+            self.asked_by_name[name] = self.asked_by_name.get(name, 0) + 1
             if method == "GET":
                 self.gets += 1
             else:
@@ -55,12 +57,12 @@ class _Ranges(http.server.SimpleHTTPRequestHandler):
         super().__init__(request, address, server, directory=server.folder)
 
     def do_HEAD(self):
-        self.server.asked("HEAD")
+        self.server.asked("HEAD", os.path.basename(self.translate_path(self.path)))
         super().do_HEAD()
 
     def do_GET(self):
-        self.server.asked("GET")
         path = self.translate_path(self.path)
+        self.server.asked("GET", os.path.basename(path))
         if not os.path.isfile(path):
             return self.send_error(404)
         size = os.path.getsize(path)
