@@ -146,7 +146,7 @@ def test_bad_samples_are_skipped_and_counted():
     samples = [
         sample_of(qa("Q", "A"), key="good"),
         {"__key__": "broken", "__shard__": "s", "json": b"{nope", "__meta__": {"images": []}},
-        sample_of(qa("<image> Q", "A"), images=[], key="no-image"),
+        sample_of(qa("<image><image> Q", "A"), images=[(10, 10)], key="two-markers"),
         sample_of(qa("Q", "A"), images=[(10, 10)], key="no-marker"),
         {"__key__": "no-messages", "__shard__": "s", "json": b"{}", "__meta__": {"images": []}},
     ]

@@ -7,9 +7,15 @@ Three record formats hold one, told apart by their fields: LLaVA's ``conversatio
 (``[{role, content}]``, a content a string or a list of text and image parts).
 
 Image placement is kept as ``<image>`` markers in the message content, one per image, in the
-order of the images. A conversation that has no markers gets them at the start of its first
-user turn; one whose marker count differs from its image count is refused. The writer reads
-records this way, and so does the reader of tars that hold such records in a JSON member.
+order of the images (``<video>`` likewise for videos). A marker is a placeholder only in a
+record that carries media of its kind: in a record with no video, ``<video>`` is text ("What
+does the HTML <video> tag do?"), written and trained on as such; in a record with videos,
+every ``<video>`` is one, and they must be one per video. A conversation that has no markers of
+a kind it has media of gets them at the start of its first user turn; one whose marker count
+differs from its media count of that kind is refused (a literal tag cannot be told from a
+placeholder there). The writer reads records this way, the reader of tars that hold such
+records in a JSON member, and the tokenizer stage counts placeholders by the same rule
+(``check_markers``).
 """
 
 from __future__ import annotations
@@ -173,13 +179,44 @@ def check_turns(messages: list[dict], where: str) -> None:
 _MARKER = re.compile(f"{re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)}")
 
 
-def media_order(messages: list[dict]) -> list[str]:
-    """``"image"`` or ``"video"`` for each marker of the conversation, in order."""
-    return [
-        "image" if found == IMAGE_MARKER else "video"
-        for m in messages
-        for found in _MARKER.findall(m["content"])
-    ]
+def media_order(messages: list[dict], n_images: int, n_videos: int) -> list[str]:
+    """``"image"`` or ``"video"`` for each placeholder of a conversation with ``n_images``
+    images and ``n_videos`` videos, in order (markers of a kind it has none of are text)."""
+    kinds = {
+        IMAGE_MARKER: "image" if n_images else None,
+        VIDEO_MARKER: "video" if n_videos else None,
+    }
+    found = (kinds[marker] for m in messages for marker in _MARKER.findall(m["content"]))
+    return [kind for kind in found if kind is not None]
+
+
+def marker_counts(messages: list[dict]) -> tuple[int, int]:
+    """``(<image> markers, <video> markers)`` in the conversation's text."""
+    images = sum(m["content"].count(IMAGE_MARKER) for m in messages)
+    return images, sum(m["content"].count(VIDEO_MARKER) for m in messages)
+
+
+def check_markers(messages: list[dict], n_images: int, n_videos: int, where: str) -> None:
+    """``InputError`` (``image_count_mismatch``, ``video_count_mismatch``) unless the markers
+    of each kind the record has media of are one per medium; markers of a kind it has none
+    of are text, never counted."""
+    for marker, found, count in _placeholders(messages, n_images, n_videos):
+        if found != count:
+            raise _mismatch(where, marker, found, count)
+
+
+def _mismatch(where: str, marker: str, found: int, count: int) -> InputError:
+    kind = marker.strip("<>")
+    message = f"{found} {marker} placeholder(s) in the text but {count} {kind}(s)"
+    return InputError(where, f"{kind}_count_mismatch", message)
+
+
+def _placeholders(messages: list[dict], n_images: int, n_videos: int) -> list[tuple]:
+    """``(marker, markers found, media count)`` of each kind the record has media of: only
+    those markers are placeholders."""
+    images, videos = marker_counts(messages)
+    kinds = ((VIDEO_MARKER, videos, n_videos), (IMAGE_MARKER, images, n_images))
+    return [kind for kind in kinds if kind[2]]
 
 
 def place_images(messages: list[dict], n_images: int, where: str, n_videos: int = 0) -> None:
@@ -187,27 +224,19 @@ def place_images(messages: list[dict], n_images: int, where: str, n_videos: int 
     markers the text lacks gets them at the start of the first user turn (videos first); a
     record of videos and no images whose ``<image>`` markers are one per video (as
     LLaVA-Video writes them) has them read as ``<video>``. ``InputError`` when the text has
-    markers of a kind but not one per item."""
-    images = sum(m["content"].count(IMAGE_MARKER) for m in messages)
-    videos = sum(m["content"].count(VIDEO_MARKER) for m in messages)
+    markers of a kind it has media of but not one per medium; markers of a kind it has no
+    media of are text, left as they are."""
+    images, videos = marker_counts(messages)
     if n_videos and not n_images and not videos and images == n_videos:
         for m in messages:
             m["content"] = m["content"].replace(IMAGE_MARKER, VIDEO_MARKER)
         return
     head = ""
-    for marker, found, count, reason in (
-        (VIDEO_MARKER, videos, n_videos, "video_count_mismatch"),
-        (IMAGE_MARKER, images, n_images, "image_count_mismatch"),
-    ):
+    for marker, found, count in _placeholders(messages, n_images, n_videos):
         if found == count:
             continue
         if found:
-            kind = marker.strip("<>")
-            raise InputError(
-                where,
-                reason,
-                f"{found} {marker} placeholder(s) in the text but {count} {kind}(s)",
-            )
+            raise _mismatch(where, marker, found, count)
         head += marker * count
     if head:
         first_user = next(m for m in messages if m["role"] == "user")

@@ -185,7 +185,8 @@ class Layout:
         messages = self.messages(key, members, len(media.images), len(media.videos))
         out = {"json": canonical_json(key, messages)}
         files = {"image": iter(media.images), "video": iter(media.videos)}
-        for n, kind in enumerate(media_order(messages)):  # numbered in the markers' order
+        order = media_order(messages, len(media.images), len(media.videos))
+        for n, kind in enumerate(order):  # numbered in the placeholders' order
             suffix = next(files[kind])
             out[media_name(n, image_extension(suffix))] = members[suffix]
         return out

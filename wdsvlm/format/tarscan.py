@@ -22,6 +22,7 @@ from typing import Any
 from ..errors import InputError, ShardFormatError, StorageError
 from ..storage.fs import filesystem
 from .builder import sample_entry
+from .conversation import check_markers
 from .images import UnreadableImage, image_size
 from .index import FORMAT
 from .layouts import BadSample, Layout, split_name
@@ -174,9 +175,14 @@ def _contents(key: str, members: Mapping[str, bytes], layout: Layout) -> tuple[l
     images, videos = media.images, media.videos
     if layout.native:
         try:
-            chars = [len(m["content"]) for m in json.loads(members["json"])["messages"]]
+            messages = json.loads(members["json"])["messages"]
+            chars = [len(m["content"]) for m in messages]
         except (KeyError, TypeError, ValueError) as e:
             raise BadSample("invalid_json", f"no wdsvlm json member with messages ({e})") from None
+        try:  # as the reader will count them: placeholders of the kinds it has media of
+            check_markers(messages, len(images), len(videos), key)
+        except InputError as e:
+            raise BadSample(e.reason, e.message) from None
     else:
         chars = [len(m["content"]) for m in layout.messages(key, members, len(images), len(videos))]
     sizes = []

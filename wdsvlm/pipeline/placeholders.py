@@ -1,15 +1,87 @@
 """Placeholders: the ids that stand for each image and video, put in place of the one token
 the chat template puts where it goes (or, for a processor that writes a video's prompt into
-the text, the prompt put in the text before it is tokenized); and why a sample's videos
-cannot be tokenized by a family."""
+the text, the prompt put in the text before it is tokenized); markers that stand for nothing
+kept as text; and why a sample's videos cannot be tokenized by a family.
+
+A ``<video>`` or ``<image>`` marker is a placeholder only in a sample that has media of its
+kind (``format.conversation``); elsewhere it is text, and is trained on as the text it is. It
+goes through the family's chat template as a stand-in of the same length that no template or
+processor takes for a placeholder (``as_text``), is put back in the rendered text
+(``text_markers``), and where the tokenizer's vocabulary has the marker as a token of its own
+(``<image>`` is one in many), that token is replaced by the marker's text tokens
+(``text_tokens``), so no image or video token stands for nothing.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 
+from ..format.conversation import IMAGE_MARKER, VIDEO_MARKER
+
 IGNORE_INDEX = -100
+# Noncharacters (never in text that is interchanged) around the kind's name: as long as the
+# marker, so the character ranges found in the rendered text hold once it is put back.
+_STAND_INS = {IMAGE_MARKER: "\ufdd0image\ufdd1", VIDEO_MARKER: "\ufdd0video\ufdd1"}
+_MARKERS = {stand_in: marker for marker, stand_in in _STAND_INS.items()}
+_STAND_IN = re.compile("|".join(map(re.escape, _MARKERS)))
+
+
+def as_text(messages: list[dict], images: int, videos: int) -> list[dict]:
+    """``messages`` of a sample with ``images`` images and ``videos`` videos, each marker of a
+    kind it has none of written as its stand-in: text to the chat template."""
+    text = [
+        marker for marker, count in ((IMAGE_MARKER, images), (VIDEO_MARKER, videos)) if not count
+    ]
+    if not any(marker in m["content"] for m in messages for marker in text):
+        return messages
+    out = []
+    for m in messages:
+        content = m["content"]
+        for marker in text:
+            content = content.replace(marker, _STAND_INS[marker])
+        out.append({**m, "content": content})
+    return out
+
+
+def text_markers(text: str) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered ``text`` with its stand-ins put back as the markers they were, and where
+    each lies (``(start, end)``, the same in both)."""
+    spans = [(m.start(), m.end()) for m in _STAND_IN.finditer(text)]
+    if not spans:
+        return text, []
+    return _STAND_IN.sub(lambda m: _MARKERS[m.group()], text), spans
+
+
+def text_tokens(
+    ids: np.ndarray, offsets: np.ndarray, text: str, spans, tokenizer: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """``ids`` and their character ``offsets`` in ``text`` with each token that is a whole
+    marker of ``spans`` (the vocabulary's own ``<image>``) replaced by the marker's text
+    tokens (``split_special_tokens``), their offsets within the marker."""
+    out_ids, out_offsets, at = [], [], 0
+    for a, b in spans:
+        found = np.flatnonzero((offsets[:, 0] == a) & (offsets[:, 1] == b))
+        if not len(found):  # tokenized as text already
+            continue
+        k = int(found[0])
+        piece = tokenizer(
+            text[a:b],
+            add_special_tokens=False,
+            split_special_tokens=True,
+            return_offsets_mapping=True,
+        )
+        out_ids += [ids[at:k], np.asarray(piece["input_ids"], dtype=np.int64)]
+        moved = np.asarray(piece["offset_mapping"], dtype=np.int64).reshape(-1, 2) + a
+        out_offsets += [offsets[at:k], moved]
+        at = k + 1
+    if not out_ids:
+        return ids, offsets
+    out_ids.append(ids[at:])
+    out_offsets.append(offsets[at:])
+    return np.concatenate(out_ids).astype(np.int64), np.concatenate(out_offsets).astype(np.int64)
 
 
 def expand(

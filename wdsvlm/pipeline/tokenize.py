@@ -23,19 +23,22 @@ from typing import Any
 import jinja2
 import numpy as np
 
-from ..errors import TemplateError
+from ..errors import InputError, TemplateError
 from ..families.base import Family
 from ..families.tiling import ImageConfig, TilingFamily
-from ..format.conversation import IMAGE_MARKER, VIDEO_MARKER
+from ..format.conversation import check_markers
 from ..format.images import UnreadableImage, UnusableImage, image_members, image_size
 from ..format.videos import VideoInfo
 from .labels import answer_ranges, marked
 from .placeholders import (
     IGNORE_INDEX,
+    as_text,
     expand,
     expand_text,
     in_spans,
     span_starts,
+    text_markers,
+    text_tokens,
     video_refusal,
 )
 from .places import Fetch, Place, StageRun, copied, places_of, present
@@ -243,15 +246,12 @@ class Tokenize:
             stats.skip("tokenize", "unusable_image", sample, str(e))
             return None
         videos = self.videos_of(sample)
-        for marker, count, kind in (
-            (IMAGE_MARKER, len(tiles), "image"),
-            (VIDEO_MARKER, len(videos), "video"),
-        ):
-            markers = sum(m["content"].count(marker) for m in messages)
-            if markers != count:
-                message = f"{markers} {marker} markers but {count} {kind}s"
-                stats.skip("tokenize", f"{kind}_count_mismatch", sample, message)
-                return None
+        try:  # markers of a kind the sample has no media of are text
+            check_markers(messages, len(tiles), len(videos), "the sample")
+        except InputError as e:
+            stats.skip("tokenize", e.reason, sample, e.message)
+            return None
+        messages = as_text(messages, len(tiles), len(videos))
         refused = video_refusal(self.family, videos, len(tiles))
         if refused is not None:
             stats.skip("tokenize", refused[0], sample, refused[1])
@@ -278,6 +278,9 @@ class Tokenize:
             except ValueError as e:
                 stats.skip("tokenize", "video_count_mismatch", sample, str(e))
                 return None
+        text, markers = text_markers(text)  # the markers that stood for nothing, as text
+        if markers:
+            sample["__text_markers__"] = markers
         return text, ranges, tiles
 
     def _supervised(
@@ -309,6 +312,10 @@ class Tokenize:
                 rest[:] = [s for s, _ in prepared[i + 1 :]]
             ids = np.asarray(encoded["input_ids"][i], dtype=np.int64)
             offsets = np.asarray(encoded["offset_mapping"][i], dtype=np.int64).reshape(-1, 2)
+            markers = sample.pop("__text_markers__", None)
+            if markers:  # their text's tokens, not the vocabulary's <image> standing for none
+                text = prepared[i][1][0]
+                ids, offsets = text_tokens(ids, offsets, text, markers, self.tokenizer)
             supervised = np.zeros(len(ids), dtype=bool)
             for a, b in ranges:
                 supervised |= (offsets[:, 1] > a) & (offsets[:, 0] < b)

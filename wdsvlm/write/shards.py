@@ -75,7 +75,7 @@ def check_record(
         "source": record["source"],
         "images": images,
         "videos": videos,
-        "media": media_order(record["messages"]),
+        "media": media_order(record["messages"], len(images), len(videos)),
         "chars": [len(m["content"]) for m in record["messages"]],
     }
 
