@@ -249,3 +249,36 @@ def test_packs_the_vision_budget_ends_are_counted_and_advised_on():
     packs, stats = run([(450, 4)] * 40, 1000, 8, 10)
     assert stats.vision_bound == 0
     assert budget_advice(stats.as_dict(), 1000, None, "tiles") is None  # no budget at all
+
+
+def test_the_vision_budget_advice_is_logged_every_epoch_for_the_packs_its_batches_hold(caplog):
+    """Eight tiles a row of 2048 tokens, the default window (500 samples: the whole pass):
+    the window drains at the end of the pass into far more packs than an epoch of 4 batches
+    of 2 takes, and the batches of the epochs after it hold packs made then. Rank 0 logs the
+    advice at the end of every epoch, counting the 8 packs that epoch's batches held (it
+    used to count the packs made in the epoch: 187 in epoch 0, none after, so no advice)."""
+    import logging
+    import os
+    import re
+
+    import wdsvlm
+
+    from .conftest import EXAMPLE
+
+    options = {"max_length": 2048, "batch_size": 2, "batches_per_epoch": 4}
+    small = {"tile_size": 128, "max_image_side": 256, "tokens_per_tile": 16}
+    tokenizer = os.path.join(EXAMPLE, "tokenizer")
+    loader = wdsvlm.Loader(EXAMPLE, tokenizer, max_tiles_per_pack=8, **options, **small)
+    said, stats = [], []
+    for epoch in range(3):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="wdsvlm.loader"):
+            loader.set_epoch(epoch)
+            list(loader)
+        said += [r.getMessage() for r in caplog.records if "vision budget binds" in r.getMessage()]
+        stats.append(loader.stats())
+    assert [m.split(":")[0] for m in said] == ["epoch 0", "epoch 1", "epoch 2"]
+    for message, figures in zip(said, stats, strict=True):
+        bound, packs = map(int, re.search(r"binds: (\d+) of (\d+) packs", message).groups())
+        assert packs == figures["packs"] == 8  # the packs the epoch's 4 batches of 2 held
+        assert bound == figures["vision_bound"] > 8 / 4

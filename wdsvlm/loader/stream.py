@@ -40,7 +40,8 @@ from torch.utils.data import IterableDataset
 from .. import compat
 from ..errors import StorageError, WdsvlmError
 from ..pipeline.collate import Collate
-from ..pipeline.pack import BalanceBatches, BalanceRun, Pack, PackRun
+from ..pipeline.pack import BalanceBatches, BalanceRun, Pack, PackRun, count_held
+from ..pipeline.packer import PackStats
 from ..pipeline.places import Fetch, Place
 from ..pipeline.plan import Plan
 from ..pipeline.read import ReadSamples
@@ -68,7 +69,7 @@ class LiveStream:
     """One slot's running stream: where its reading started (``read``), the reader, the
     stages' runs in pipeline order, the batches, and what its epoch has ``left`` to give.
     ``read_since_batch`` and ``accepted_at`` (what packing had taken in at the last batch)
-    are its progress."""
+    are its progress; ``held``, the packs its batches held this epoch."""
 
     slot: int
     epoch: int
@@ -80,6 +81,7 @@ class LiveStream:
     left: int = 0
     read_since_batch: int = 0
     accepted_at: int = 0
+    held: PackStats = field(default_factory=PackStats)
 
     @property
     def pack(self) -> PackRun:
@@ -197,6 +199,7 @@ class Stream(IterableDataset):
 
     def _take(self, live: LiveStream) -> Iterator[dict]:
         live.pack.stats.reset()
+        live.held.reset()
         live.balance.figures = [0, 0, 0]
         while live.left > 0:
             batch = next(live.batches, None)
@@ -207,13 +210,15 @@ class Stream(IterableDataset):
             live.left -= 1
             live.read_since_batch, live.accepted_at = 0, live.pack.accepted
             batch[STATE_KEY] = {"slot": live.slot, "state": self.capture(live)}
-            packing = live.pack.stats
+            # drops as read this epoch; packs as this epoch's batches hold them (a pack made
+            # in one epoch may wait for a batch of the next)
+            packing, held = live.pack.stats, live.held
             batch[STATS_KEY] = {
                 "slot": live.slot,
                 "skips": self.skips.as_dict(examples=10),  # rides on every batch: keep it small
-                "packing": packing.as_dict(examples=10),
-                "tokens": packing.tokens,
-                "capacity": packing.capacity,
+                "packing": packing.as_dict(examples=10, packs=held),
+                "tokens": held.tokens,
+                "capacity": held.capacity,
                 "batch_tiles": list(live.balance.figures),
             }
             yield batch
@@ -229,8 +234,16 @@ class Stream(IterableDataset):
         for k, (stage, saved) in enumerate(zip(self.stages, state.stages(), strict=True)):
             upstream = stage.restore(saved, upstream, self._fetcher(again, self.stages[:k]))
             live.runs.append(upstream)
-        live.batches = map(self.collate, upstream)
+        live.batches = map(self.collate, self._counted(upstream, live))
         return live
+
+    def _counted(self, batches: Iterator[list], live: LiveStream) -> Iterator[list]:
+        """The balance stage's batches (lists of packs), each pack counted in ``live.held``
+        as its batch goes on."""
+        for batch in batches:
+            for pack in batch:
+                count_held(live.held, pack, self.pack.max_length)
+            yield batch
 
     def capture(self, live: LiveStream) -> WorkerState:
         """The stream's state now: small lists of places, no sample bytes. What is left to

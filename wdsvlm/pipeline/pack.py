@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .packer import Packer, PackStats
+from .packer import Packed, Packer, PackStats
 from .places import Fetch, Place, StageRun, copied, places_of, present
 
 
@@ -230,6 +230,17 @@ class PackRun(StageRun):
         ready.extend(packer.drain())  # the end: the window's last packs, held until handed on
         while ready:
             yield ready.popleft()
+
+
+def count_held(stats: PackStats, pack: list[dict], max_length: int) -> None:
+    """Count ``pack`` in ``stats`` as one a batch holds, with the figures the packer gave it
+    (``Packed``). A pack a resumed stream took back from a state is counted from its
+    samples; whether the vision budget ended it is not known again, so it is not counted as
+    bound."""
+    if not isinstance(pack, Packed):
+        pack = Packed(pack)
+        pack.tokens, pack.tiles = sum(s["num_tokens"] for s in pack), _tiles_of(pack)
+    stats.count(pack, max_length)
 
 
 def _pass_of(pack: list[dict]):

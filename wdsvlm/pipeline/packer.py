@@ -158,6 +158,15 @@ def _greedy(items, tokens, tiles, token_room, tile_room) -> list[int]:
     return sorted(chosen)
 
 
+class Packed(list):
+    """One pack's items, with its ``tokens``, ``tiles`` and ``bound_room`` (the tokens left empty
+    where the vision budget ended it, else None): figures that go with it to the batch."""
+
+    tokens: int = 0
+    tiles: int = 0
+    bound_room: int | None = None
+
+
 @dataclass
 class PackStats:
     """What packing did: fill, samples and tiles per pack, drops by reason."""
@@ -197,6 +206,17 @@ class PackStats:
         """Real tokens over the tokens the packs could hold."""
         return self.tokens / self.capacity if self.capacity else 0.0
 
+    def count(self, pack: Packed, capacity: int) -> None:
+        """Count one pack of ``capacity`` tokens."""
+        self.packs += 1
+        self.samples += len(pack)
+        self.tokens += pack.tokens
+        self.tiles += pack.tiles
+        self.capacity += capacity
+        if pack.bound_room is not None:
+            self.vision_bound += 1
+            self.vision_bound_room += pack.bound_room
+
     def reset(self) -> None:
         """Count afresh (a new epoch)."""
         self.packs = self.samples = self.tokens = self.tiles = self.capacity = 0
@@ -204,19 +224,21 @@ class PackStats:
         self.dropped.clear()
         self.dropped_examples.clear()
 
-    def as_dict(self, examples: int | None = None) -> dict:
-        """The figures; ``examples``: at most that many dropped keys per reason."""
+    def as_dict(self, examples: int | None = None, packs: PackStats | None = None) -> dict:
+        """The figures; ``examples``: at most that many dropped keys per reason; ``packs``:
+        whose packs to count (these by default; a stream's, those its batches hold)."""
+        packs = packs or self
         return {
-            "packs": self.packs,
-            "samples": self.samples,
-            "fill": self.fill,
-            "samples_per_pack": self.samples / self.packs if self.packs else 0.0,
-            "tiles_per_pack": self.tiles / self.packs if self.packs else 0.0,
+            "packs": packs.packs,
+            "samples": packs.samples,
+            "fill": packs.fill,
+            "samples_per_pack": packs.samples / packs.packs if packs.packs else 0.0,
+            "tiles_per_pack": packs.tiles / packs.packs if packs.packs else 0.0,
             "truncated": self.truncated,
-            "tokens": self.tokens,
-            "tiles": self.tiles,
-            "vision_bound": self.vision_bound,
-            "vision_bound_room": self.vision_bound_room,
+            "tokens": packs.tokens,
+            "tiles": packs.tiles,
+            "vision_bound": packs.vision_bound,
+            "vision_bound_room": packs.vision_bound_room,
             "dropped": dict(self.dropped),
             "dropped_examples": {k: v[:examples] for k, v in self.dropped_examples.items()},
         }
@@ -336,25 +358,21 @@ class Packer:
         )
         return sorted([seed] + [others[i] for i in rest])
 
-    def _take(self, waiting: list[tuple], chosen: list[int]) -> list:
+    def _take(self, waiting: list[tuple], chosen: list[int]) -> Packed:
         """The items at ``chosen`` of ``waiting`` as one emitted pack, counted."""
-        stats = self.stats
-        tokens = sum(waiting[i][1] for i in chosen)
-        tiles = sum(waiting[i][2] for i in chosen)
+        pack = Packed(waiting[i][0] for i in chosen)
+        pack.tokens = sum(waiting[i][1] for i in chosen)
+        pack.tiles = sum(waiting[i][2] for i in chosen)
         self.emitted += 1
-        stats.packs += 1
-        stats.samples += len(chosen)
-        stats.tokens += tokens
-        stats.tiles += tiles
-        stats.capacity += self.max_length
-        if tokens < FULL * self.max_length:
-            room, tile_room, taken = self.max_length - tokens, self.max_tiles - tiles, set(chosen)
+        if pack.tokens < FULL * self.max_length:
+            room, tile_room = self.max_length - pack.tokens, self.max_tiles - pack.tiles
+            taken = set(chosen)
             if any(
                 w[1] <= room and w[2] > tile_room for i, w in enumerate(waiting) if i not in taken
             ):
-                stats.vision_bound += 1
-                stats.vision_bound_room += room
-        return [waiting[i][0] for i in chosen]
+                pack.bound_room = room
+        self.stats.count(pack, self.max_length)
+        return pack
 
 
 def best_fit_decreasing(
