@@ -203,3 +203,62 @@ def test_several_reads_run_at_once_and_samples_come_in_the_plans_order():
         assert _reader_threads()
         early.close()
     assert not _reader_threads()
+
+
+def test_a_pass_reads_exactly_the_bytes_of_the_samples_it_yields():
+    """A pass's spans are its chunk visits read whole: the store serves the bytes of the
+    samples the pass yields and no more, on one worker; split over three, only the visits cut
+    at the two block boundaries are read a second time, by the next worker."""
+    index = load_index(EXAMPLE)
+    chunk = max(e["size"] for s in index["shards"] for e in s["entries"]) * 32  # SPAN_SAMPLES
+    for workers in (1, 3):
+        with range_server(EXAMPLE) as server:
+            plan = Plan(server.url, worker_config=WorkerConfig(0, 1, workers), seed=5)
+            yielded = 0
+            for worker in range(workers):
+                samples = ReadSamples(read_ahead=0)(plan.spans(0, worker))
+                yielded += sum(s["__meta__"]["size"] for s in samples)
+            served = sum(n for name, n in server.served_by_name.items() if name.endswith(".tar"))
+        assert yielded == sum(e["size"] for s in index["shards"] for e in s["entries"])
+        if workers == 1:
+            assert served == yielded  # 1.00x
+        else:
+            assert yielded <= served <= yielded + 2 * chunk
+
+
+def test_a_loader_reads_its_pass_and_what_it_holds_at_the_epochs_end_once():
+    """The first epoch reads its pass and the samples the stream holds when it ends (the
+    shuffle buffer, the pack window, the packs of the next batches: places of the next pass);
+    later epochs go on from them, reading about what they yield."""
+    import wdsvlm
+    from wdsvlm.loader.state import WorkerState
+
+    index = load_index(EXAMPLE)
+    size = {e["key"]: e["size"] for s in index["shards"] for e in s["entries"]}
+    settings = {"max_length": 1024, "batch_size": 2, "tile_size": 64, "max_image_side": 128}
+    settings.update(tokens_per_tile=8, shuffle_buffer=50, pack_window=50, read_ahead=0)
+    with range_server(EXAMPLE) as server:
+        loader = wdsvlm.Loader(server.url, TOKENIZER, **settings)
+        read, yielded, held = [], [], []
+        for epoch in range(3):
+            before = sum(n for k, n in server.served_by_name.items() if k.endswith(".tar"))
+            loader.set_epoch(epoch)
+            keys = [k for b in loader for row in b["sample_keys"] for k in row]
+            after = sum(n for k, n in server.served_by_name.items() if k.endswith(".tar"))
+            read.append(after - before)
+            yielded.append(sum(size[k.rsplit("/", 1)[-1]] for k in keys))
+            state = WorkerState.from_saved(loader.state_dict()["workers"][0])
+            by_pass: dict[int, list[int]] = {}
+            for pass_, place in state.held_places():
+                by_pass.setdefault(pass_, []).append(place)
+            spans = [s for p, found in by_pass.items() for s in loader.plan.locate(p, found)]
+            held.append(sum(e["size"] for s in spans for e in s["entries"]))
+    # the read stage also holds the rest of the chunk it reads from: up to a chunk more
+    chunk = max(size.values()) * 32  # SPAN_SAMPLES
+    # epoch 0: 1.4x what it yields here (a third of a pass is held at its end), which is the
+    # samples it yields and those it holds
+    assert yielded[0] + held[0] <= read[0] <= yielded[0] + held[0] + chunk
+    for epoch in (1, 2):  # then the samples yielded, less those held before, plus those held now
+        expected = yielded[epoch] - held[epoch - 1] + held[epoch]
+        assert expected - chunk <= read[epoch] <= expected + chunk
+        assert read[epoch] <= 1.1 * yielded[epoch]

@@ -266,3 +266,18 @@ def test_verify_can_check_shards_drawn_at_random(parts):
     assert drawn.returncode != 0 and "data-000001.tar" in drawn.stderr
     whole = run_cli("verify", part)
     assert whole.returncode != 0 and "data-000001.tar" in whole.stderr
+
+
+def test_a_chunk_across_several_small_shards_is_read_one_shard_at_a_time():
+    """Shards of very different sizes: a chunk of the mean shard's size runs across several
+    small shards; its pieces are one per shard, and every sample comes once a pass."""
+    index = fake_index([40, 1, 1, 1, 1, 40])  # mean shard: 14 samples
+    order = KeyedOrder([source(index)], seed=3, pass_=0, span_bytes=10**9, span_samples=None)
+    widest = max((order.pieces(x) for x in range(order.visits)), key=len)
+    assert len(widest) >= 3  # one chunk, three shards or more
+    shards = [shard for _, shard, _ in widest]
+    assert shards == sorted(set(shards))  # one piece a shard, in shard order
+    places = [order.entry_at(p) for p in range(order.size)]
+    assert sorted(places) == sorted(
+        {(0, s, e) for s, n in enumerate([40, 1, 1, 1, 1, 40]) for e in range(n)}
+    )

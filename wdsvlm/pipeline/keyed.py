@@ -6,8 +6,9 @@ pass's list of chunk visits in every worker: 1.4 GB at a billion samples).
 
 - A source's samples are numbered shard after shard. Its **chunks** are runs of ``m``
   consecutive samples (the last one shorter), ``m`` from the source's mean sample size
-  (``span_bytes``, at most ``span_samples``). A chunk may end in the next shard: it is then read
-  with one ranged read of each.
+  (``span_bytes``, at most ``span_samples`` and the mean shard's samples). A chunk may run on
+  into the next shards (into several where shards are much smaller than the mean): it is then
+  read with one ranged read of each shard it touches (``KeyedOrder.pieces``).
 - A source's share of a pass is ``copies`` **laps** (every chunk once, in the order of a keyed
   bijection of the chunks, ``Bijection``) and ``extra`` samples: the window ``[start, start +
   extra)`` of a rotation (a keyed bijection fixed for the source), moved on pass by pass.
@@ -90,8 +91,10 @@ class Bijection:
 
 def chunk_size(source: DataSource, span_bytes: int, span_samples: int | None) -> int:
     """Samples per chunk of a source: about ``span_bytes`` of its mean sample, at most
-    ``span_samples`` and the mean shard's samples (so that a chunk lies in one shard or two),
-    at least 1."""
+    ``span_samples`` and the mean shard's samples, at least 1. Where shards hold about the same
+    number of samples a chunk lies in one shard or two; a shard much smaller than the mean
+    (a short last shard, tars of other writers) can put a chunk across three or more: each
+    part is its own ranged read (``KeyedOrder.pieces``), so nothing depends on the count."""
     shards = max(1, len(source.sample_ends) - 1)
     m = max(1, span_bytes * source.size // max(1, source.bytes))
     if span_samples is not None:
