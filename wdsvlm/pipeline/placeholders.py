@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..format.conversation import IMAGE_MARKER, VIDEO_MARKER
+from ..format.conversation import IMAGE_MARKER, VIDEO_MARKER, check_markers
 
 IGNORE_INDEX = -100
 # Noncharacters (never in text that is interchanged) around the kind's name: as long as the
@@ -31,7 +31,9 @@ _STAND_IN = re.compile("|".join(map(re.escape, _MARKERS)))
 
 def as_text(messages: list[dict], images: int, videos: int) -> list[dict]:
     """``messages`` of a sample with ``images`` images and ``videos`` videos, each marker of a
-    kind it has none of written as its stand-in: text to the chat template."""
+    kind it has none of written as its stand-in: text to the chat template. ``InputError``
+    (``check_markers``) where the placeholders of a kind it has are not one per medium."""
+    check_markers(messages, images, videos, "the sample")
     text = [
         marker for marker, count in ((IMAGE_MARKER, images), (VIDEO_MARKER, videos)) if not count
     ]

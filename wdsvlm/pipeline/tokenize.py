@@ -26,7 +26,6 @@ import numpy as np
 from ..errors import InputError, TemplateError
 from ..families.base import Family
 from ..families.tiling import ImageConfig, TilingFamily
-from ..format.conversation import check_markers
 from ..format.images import UnreadableImage, UnusableImage, image_members, image_size
 from ..format.videos import VideoInfo
 from .labels import answer_ranges, marked
@@ -247,11 +246,10 @@ class Tokenize:
             return None
         videos = self.videos_of(sample)
         try:  # markers of a kind the sample has no media of are text
-            check_markers(messages, len(tiles), len(videos), "the sample")
+            messages = as_text(messages, len(tiles), len(videos))
         except InputError as e:
             stats.skip("tokenize", e.reason, sample, e.message)
             return None
-        messages = as_text(messages, len(tiles), len(videos))
         refused = video_refusal(self.family, videos, len(tiles))
         if refused is not None:
             stats.skip("tokenize", refused[0], sample, refused[1])
@@ -278,9 +276,7 @@ class Tokenize:
             except ValueError as e:
                 stats.skip("tokenize", "video_count_mismatch", sample, str(e))
                 return None
-        text, markers = text_markers(text)  # the markers that stood for nothing, as text
-        if markers:
-            sample["__text_markers__"] = markers
+        text, sample["__text_markers__"] = text_markers(text)  # those that stand for nothing
         return text, ranges, tiles
 
     def _supervised(
@@ -312,10 +308,8 @@ class Tokenize:
                 rest[:] = [s for s, _ in prepared[i + 1 :]]
             ids = np.asarray(encoded["input_ids"][i], dtype=np.int64)
             offsets = np.asarray(encoded["offset_mapping"][i], dtype=np.int64).reshape(-1, 2)
-            markers = sample.pop("__text_markers__", None)
-            if markers:  # their text's tokens, not the vocabulary's <image> standing for none
-                text = prepared[i][1][0]
-                ids, offsets = text_tokens(ids, offsets, text, markers, self.tokenizer)
+            markers = sample.pop("__text_markers__", ())  # as text, never the <image> token
+            ids, offsets = text_tokens(ids, offsets, prepared[i][1][0], markers, self.tokenizer)
             supervised = np.zeros(len(ids), dtype=bool)
             for a, b in ranges:
                 supervised |= (offsets[:, 1] > a) & (offsets[:, 0] < b)
