@@ -21,6 +21,7 @@ from ..format.builder import publish_sidecar, sample_entry
 from ..format.conversation import media_order
 from ..format.images import UnreadableImage, probe_image, stored_bytes
 from ..format.index import sample_key, shard_name
+from ..format.members import media_name
 from ..format.tarball import HashingTarWriter, member_bytes, tar_bytes
 from ..format.videos import (
     VIDEO_EXTENSIONS,
@@ -222,7 +223,7 @@ def _write_sample(tar: HashingTarWriter, key: str, sample: dict, storage_options
         if len(data) != size:
             name = _image_name(path) if kind == "image" else _video_name(path)
             raise InputError(sample["where"], f"changed_{kind}", f"{name} changed while writing")
-        tar.member(f"{key}.{n}.{info.ext}", data)
+        tar.member(f"{key}.{media_name(n, info.ext)}", data)  # as the reader finds it
     sizes = [(info.width, info.height) for _, info, _ in sample["images"]]
     videos = [info.as_dict() for _, info, _ in sample.get("videos", [])]
     return sample_entry(key, start, tar.offset - start, sizes, sample["chars"], videos)
