@@ -14,6 +14,7 @@ import pytest
 import wdsvlm
 from wdsvlm import write_dataset
 from wdsvlm.errors import ShardFormatError
+from wdsvlm.format.builder import remove_tables
 
 from .conftest import EXAMPLE
 
@@ -62,6 +63,24 @@ def test_a_dataset_rewritten_in_place_is_named_to_the_loader_that_holds_the_old_
         assert len(new.plan.sources[0].index["shards"]) == 4
         shards = {k.split("/")[0] for k in keys_of(new)}
         assert len(shards) == 4  # the new dataset whole, none of the old
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.mark.processes
+def test_a_loader_built_before_a_rewrite_that_is_under_way_is_told(tmp_path, llava_input):
+    """A writer replacing a dataset removes its index.json and its table before it writes the
+    new shards: a worker of a Loader built on the old one cannot pair them with new shards."""
+    out = str(tmp_path / "ds")
+    write(llava_input, out, per_shard=6)
+    loader = wdsvlm.Loader(out, TOKENIZER, num_workers=2, **SMALL)
+    os.remove(os.path.join(out, "index.json"))  # as the writer does first
+    remove_tables(out)
+    assert not [n for n in os.listdir(out) if n.endswith(".shards")]
+    faulthandler.dump_traceback_later(TIME_LIMIT, exit=True)
+    try:
+        with pytest.raises(ShardFormatError, match="is gone too: the dataset is being rewritten"):
+            keys_of(loader)
     finally:
         faulthandler.cancel_dump_traceback_later()
 

@@ -199,9 +199,18 @@ def publish_root(
     else:
         root.update(version=version, shards=list(root["shards"]))
     publish_bytes(dumps_index(root), join(output, INDEX_NAME), storage_options)
-    kept = root.get("table", {}).get("name")
+    remove_tables(output, storage_options, keep=root.get("table", {}).get("name"))
+
+
+def remove_tables(
+    output: str, storage_options: Mapping[str, Any] | None = None, keep: str | None = None
+) -> None:
+    """Remove the shard tables at ``output`` but ``keep``: those of earlier indexes there
+    (named by their digest, or ``index.shards``). A writer that replaces a dataset calls it
+    with its old ``index.json``, so that no reader of that index pairs its table with new
+    shards; ``publish_root`` after the new ``index.json``."""
     for name in list_names(output, storage_options):
-        if name != kept and (name == TABLE_NAME or _DIGEST_NAMED.fullmatch(name)):
+        if name != keep and (name == TABLE_NAME or _DIGEST_NAMED.fullmatch(name)):
             remove(join(output, name), storage_options)
 
 

@@ -260,6 +260,11 @@ def _rewritten(source: str, url: str, storage_options, policy) -> str:
     try:
         now = json.loads(read_bytes(join(source, INDEX_NAME), storage_options, policy))
         name = now["table"]["name"]
+    except FileNotFoundError:
+        return (
+            f"; {join(source, INDEX_NAME)} is gone too: the dataset is being rewritten in place "
+            "(build a new Loader once it is written)"
+        )
     except Exception:  # noqa: BLE001 - only an explanation; the error is raised either way
         return ""
     if name == url.rsplit("/", 1)[-1].rsplit(os.sep, 1)[-1]:

@@ -31,6 +31,7 @@ from ..format.builder import (
     publish_sidecar,
     publish_skipped,
     refuse_bad,
+    remove_tables,
     root_index,
     stops,
 )
@@ -125,6 +126,7 @@ def index_tars(
                 f"{index_url} exists; pass --overwrite / overwrite=True to index the tars again"
             )
         remove(index_url, storage_options)  # its sidecars are rewritten: no reader may pair them
+        remove_tables(output, storage_options)  # nor a worker of a Loader built on it
     detected = None
     name = format
     if format == "auto":

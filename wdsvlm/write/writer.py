@@ -28,6 +28,7 @@ from ..format.builder import (
     publish_root,
     publish_skipped,
     refuse_bad,
+    remove_tables,
     root_index,
     stops,
 )
@@ -180,6 +181,7 @@ def write_dataset(
             good, bad = _check_only(run.checked(), opts.progress)
             _refuse_bad(bad, good, opts.skip_bad, named)
             remove(index_url, storage_options)  # no reader may pair old and new from here
+            remove_tables(output, storage_options)  # nor a worker of a Loader built on it
         written = _write_shards(run, run.checked(), output, opts, storage_options)
         shards, totals, bad, n_good = written
         if stops(bad, n_good, opts.skip_bad):
