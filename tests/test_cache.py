@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -127,3 +128,21 @@ def test_a_missing_shard_in_a_loader_pass_is_asked_for_once(twelve_shards, tmp_p
     # once a pass: its size asked for before any room is made (fsspec's HTTP filesystem asks
     # with a HEAD, then a GET; S3's with a HEAD), and no span of it asked for again
     assert server.asked_by_name["data-000003.tar"] <= 2
+
+
+def test_only_a_shard_gone_unread_for_idle_seconds_makes_room(tmp_path):
+    with counting_store(str(tmp_path / "store"), [50_000, 50_000, 50_000], 0.0) as (_, blobs):
+        cache = ShardCache(str(tmp_path / "cache"), 100_000, idle_seconds=3600)
+        for url, _, size, sha256 in blobs[:2]:
+            cache.read(url, size, 0, 100, None, QUICK, sha256=sha256)
+        first, second, third = (cache.path(b[3]) for b in blobs)
+        url, path, size, sha256 = blobs[2]
+        with open(path, "rb") as f:
+            data = f.read()
+        assert cache.read(url, size, 10, 20, None, QUICK, sha256=sha256) == data[10:20]
+        assert not os.path.exists(third)  # read by ranges: both cached shards are in use
+        day_ago = time.time() - 86400
+        os.utime(first, (day_ago, day_ago))  # unread for a day
+        other = ShardCache(cache.folder, 100_000, idle_seconds=3600)  # another reader
+        assert other.read(url, size, 10, 20, None, QUICK, sha256=sha256) == data[10:20]
+        assert not os.path.exists(first) and os.path.exists(second) and os.path.exists(third)
