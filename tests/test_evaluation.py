@@ -3,9 +3,11 @@ the same exact length on every rank, empty rows where a rank has run out, no car
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import threading
 import types
 
 import pytest
@@ -14,6 +16,8 @@ import torch
 import wdsvlm
 from wdsvlm.hf import evaluation_loss
 from wdsvlm.pipeline.collate import Collate
+from wdsvlm.storage.fs import ReadPolicy
+from wdsvlm.testing.stores import RangeServer
 from wdsvlm.write.writer import write_dataset
 
 from .conftest import EXAMPLE, write_jsonl
@@ -180,3 +184,100 @@ def test_a_batch_of_empty_rows_of_a_mixture_names_its_rows_sources():
     batch = Collate(16, 3, 0, sources=True)([])
     assert batch["sample_sources"] == [[], [], []] and batch["sample_keys"] == [[], [], []]
     assert "sample_sources" not in Collate(16, 3, 0)([])  # one source: no sources named
+
+
+class FaultyStore(RangeServer):
+    """A ``RangeServer`` whose GETs of the files named in ``failing`` answer 503 Service
+    Unavailable (a store's transient fault) for as long as they are named there."""
+
+    def __init__(self, folder: str):
+        super().__init__(folder)
+        self.failing: set[str] = set()
+        server = self
+
+        class Faulty(self.RequestHandlerClass):
+            def do_GET(self):
+                if os.path.basename(self.path) in server.failing:
+                    return self.send_error(503)
+                return super().do_GET()
+
+        self.RequestHandlerClass = Faulty
+
+    def tar_bytes(self) -> int:
+        """The bytes of shards (not of the index) sent so far."""
+        return sum(n for name, n in self.served_by_name.items() if name.endswith(".tar"))
+
+
+@contextlib.contextmanager
+def faulty_store(folder: str):
+    server = FaultyStore(folder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
+        server.server_close()
+
+
+def _evaluate_through_its_store(rank, job):
+    """This rank reads the example through a store of its own (its bytes counted): built,
+    len() with the shards ``job["failing"]`` failing on rank ``job["faulty"]``, then the store
+    well again and the whole pass, with an all_reduce every step (a rank with a step more or
+    less would hang there)."""
+    import torch.distributed as dist
+
+    with faulty_store(EXAMPLE) as store:
+        if rank == job["faulty"]:
+            store.failing = set(job["failing"])
+        loader = wdsvlm.Loader(
+            store.url,
+            TOKENIZER,
+            read_policy=ReadPolicy(attempts=1),
+            on_shard_error="skip",
+            **OPTIONS,
+        )
+        built = store.tar_bytes()
+        length = len(loader)
+        counted = store.tar_bytes() - built
+        store.failing = set()
+        keys, steps = [], 0
+        for batch in loader:
+            dist.all_reduce(batch["num_loss_tokens"].clone())
+            keys += [k for row in batch["sample_keys"] for k in row]
+            steps += 1
+    return {"len": length, "steps": steps, "keys": keys, "built": built, "counted": counted}
+
+
+def example_tar_bytes() -> int:
+    return sum(s["bytes"] for s in json.load(open(os.path.join(EXAMPLE, "index.json")))["shards"])
+
+
+@pytest.mark.processes
+def test_building_an_evaluation_loader_reads_no_shard_and_its_length_reads_each_once(tmp_path):
+    """Three ranks (real processes, each through a store of its own that counts the bytes it
+    sends): building the Loader reads the index only, and counting its length reads each
+    rank's own share, about a third of the shards' bytes, not all of them on every rank."""
+    job = {"run": _evaluate_through_its_store, "faulty": None, "failing": [], "out": str(tmp_path)}
+    ranks = ddp(job, 3, 300)
+    whole = example_tar_bytes()
+    assert [r["built"] for r in ranks] == [0, 0, 0]
+    assert all(0 < r["counted"] < 0.45 * whole for r in ranks)
+    assert sum(r["counted"] for r in ranks) <= whole
+    assert len({r["len"] for r in ranks}) == 1 and all(r["steps"] == r["len"] for r in ranks)
+    assert sorted(k for r in ranks for k in r["keys"]) == sorted(index_order())
+
+
+@pytest.mark.processes
+def test_ranks_take_the_same_steps_when_one_could_not_read_a_shard_while_counting(tmp_path):
+    """On rank 1 of 3 two shards answer 503 while the length is counted (one try a read, shard
+    errors skipped), then read well: every rank still takes the same number of steps (an
+    all_reduce each step), and every sample comes once, rank 1's share whole too."""
+    failing = ["shapes-000001.tar", "shapes-000003.tar"]  # in each global worker's share
+    job = {"run": _evaluate_through_its_store, "faulty": 1, "failing": failing}
+    ranks = ddp({**job, "out": str(tmp_path)}, 3, 300)
+    lengths = [r["len"] for r in ranks]
+    assert len(set(lengths)) == 1, lengths
+    assert [r["steps"] for r in ranks] == lengths
+    assert sorted(k for r in ranks for k in r["keys"]) == sorted(index_order())

@@ -23,7 +23,6 @@ from ..pipeline.stats import SkipStats
 from ..pipeline.tokenize import Tokenize
 from ..pipeline.usermap import ImageMap, SampleMap, check_workers_get
 from ..storage.cache import ShardCache
-from .evaluation import evaluation_batches
 from .placement import LOCAL
 from .settings import LoaderSettings, resume_config
 from .sizing import estimate_batches
@@ -260,13 +259,13 @@ def epoch_batches(
     plan: Plan, tokenize: Tokenize, pack: Pack, settings: LoaderSettings, config: WorkerConfig
 ) -> int:
     """``len(loader)``: ``batches_per_epoch``, or the estimate of one pass, computed alike on
-    every rank from the index and the settings (no collective call); a multiple of the
+    every rank from the index and the settings (no collective call); 0 for an evaluation
+    loader, whose length is counted when first needed (``Loader``); a multiple of the
     workers, so that each gives the same number of batches an epoch and none falls behind the
     others epoch after epoch."""
     workers = config.workers_per_rank
-    if settings.evaluation:
-        read = reader(settings, tokenize.stats)
-        return evaluation_batches(plan, read, tokenize, pack, settings.batch_size, config)
+    if settings.evaluation:  # counted at the first len() or iteration (loader/evaluation.py)
+        return 0
     estimate = settings.batches_per_epoch or estimate_batches(
         plan, tokenize, pack, settings, config
     )

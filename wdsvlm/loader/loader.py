@@ -21,6 +21,7 @@ from typing import Any
 from .. import compat
 from ..errors import WdsvlmError
 from .build import build
+from .evaluation import evaluation_batches
 from .placement import RayWorkers
 from .report import Yielded, epoch_advice, epoch_stats
 from .resume import resume_point, topology_of
@@ -83,6 +84,7 @@ class Loader:
         self.stream = parts.stream
         self.dataloader_options = parts.dataloader_options
         self.pad_token_id = parts.pad_token_id
+        self._uncounted = self.settings.evaluation  # its length: counted when first needed
         self._batches_per_epoch = parts.batches_per_epoch
         self._config = parts.config
         self._worker_stats: dict = {}
@@ -97,6 +99,29 @@ class Loader:
             self.plan.share_epoch()
         self._start_afresh(0)
         self._pinned = False  # set_epoch named the epoch to iterate: do not move past it
+
+    @property
+    def _batches_per_epoch(self) -> int:
+        """Batches an epoch. An evaluation loader's are counted the first time they are asked
+        for (its first ``len()`` or iteration: ``evaluation.evaluation_batches``), once; under
+        ``torch.distributed`` that is a collective call, which every rank makes alike."""
+        if self._uncounted:
+            stream = self.stream
+            length = evaluation_batches(
+                self.plan,
+                stream.read,
+                stream.tokenize,
+                stream.pack,
+                self.settings.batch_size,
+                self.worker_config,
+            )
+            self._length = stream.batches_per_epoch = self._config["batches_per_epoch"] = length
+            self._uncounted = False
+        return self._length
+
+    @_batches_per_epoch.setter
+    def _batches_per_epoch(self, length: int) -> None:
+        self._length = length
 
     @property
     def tokenizer(self):
@@ -169,7 +194,8 @@ class Loader:
     def __len__(self) -> int:
         """Batches per epoch, the same on every rank: ``batches_per_epoch``, else an
         estimate of what one pass packs into (see ``sizing.estimate_batches``), rounded up to a
-        multiple of ``num_workers``."""
+        multiple of ``num_workers``. An evaluation loader's is exact, counted at the first call
+        or iteration (``evaluation.py``)."""
         return self._batches_per_epoch
 
     def __iter__(self) -> Iterator[dict]:
