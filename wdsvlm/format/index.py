@@ -67,7 +67,7 @@ def load_index(source: str, storage_options: Mapping[str, Any] | None = None, po
         table = dict(index["table"])  # checked at every open: a size and a row count
         table.setdefault("rows", index.get("totals", {}).get("shards"))
         index["shards"] = ShardTable(
-            source, join(source, table["name"]), storage_options, policy, table
+            source, join(source, table["name"]), storage_options, policy, table, url
         )
     elif index["version"] >= 2:  # each shard's entries from its sidecar, when first needed
         from .sidecar import LazyEntries

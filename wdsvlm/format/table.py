@@ -122,13 +122,16 @@ class ShardTable(Sequence):
     """The shards of a version-3 index: ``table[i]`` is shard ``i``'s entry as version 2 gives
     it (its ``entries`` from its sidecar when first asked for), made when asked for; columns as
     numpy arrays (``samples``, ``bytes``, ...) over a read-only map of a local file, or over the
-    file's bytes for a remote one. ``described``: what ``index.json`` says of the table
-    (``name``, ``bytes``, ``sha256``, ``rows``), checked on every open (``rows`` of an index
-    that does not record it: its shard total). A pickled table carries its address, not its
-    data, and opens again (checked) when first used where it is unpickled."""
+    file's bytes for a remote one. ``described``: what ``index.json`` (at the URL ``index``)
+    says of the table (``name``, ``bytes``, ``sha256``, ``rows``), checked on every open
+    (``rows`` of an index that does not record it: its shard total). A pickled table carries
+    its address, not its data, and opens again (checked) when first used where it is
+    unpickled."""
 
-    def __init__(self, source: str, url: str, storage_options=None, policy=None, described=None):
-        self.source, self.url = source, url
+    def __init__(
+        self, source: str, url: str, storage_options=None, policy=None, described=None, index=None
+    ):
+        self.source, self.url, self.index_url = source, url, index
         self.described = dict(described or {})
         self.storage_options, self.policy = dict(storage_options or {}), policy
         self._open()
@@ -150,7 +153,7 @@ class ShardTable(Sequence):
         except FileNotFoundError:
             raise ShardFormatError(
                 f"{self.url}: the shard table is missing (index version 3 lists the shards "
-                f"there){_rewritten(self.source, self.url, self.storage_options, self.policy)}"
+                f"there){_rewritten(self.index_url, self.url, self.storage_options, self.policy)}"
             ) from None
         except ValueError as e:  # mmap of an empty file
             raise ShardFormatError(f"{self.url}: not a shard table ({e})") from None
@@ -253,25 +256,26 @@ _OPENED = ("_data", "columns", "rows", *_INTS)
 """What a table holds once its file is opened: not pickled, made again where it is unpickled."""
 
 
-def _rewritten(source: str, url: str, storage_options, policy) -> str:
-    """Why a table named by an ``index.json`` is gone, where ``index.json`` now names another."""
-    from .index import INDEX_NAME
-
+def _rewritten(index: str | None, url: str, storage_options, policy) -> str:
+    """Why a table named by the ``index.json`` at ``index`` is gone: it names another now, or
+    it is gone too."""
+    if index is None:
+        return ""
     try:
-        now = json.loads(read_bytes(join(source, INDEX_NAME), storage_options, policy))
+        now = json.loads(read_bytes(index, storage_options, policy))
         name = now["table"]["name"]
     except FileNotFoundError:
         return (
-            f"; {join(source, INDEX_NAME)} is gone too: the dataset is being rewritten in place "
-            "(build a new Loader once it is written)"
+            f"; {index} is gone too: the dataset is being rewritten in place (build a new "
+            "Loader once it is written)"
         )
     except Exception:  # noqa: BLE001 - only an explanation; the error is raised either way
         return ""
     if name == url.rsplit("/", 1)[-1].rsplit(os.sep, 1)[-1]:
         return ""
     return (
-        f"; {join(source, INDEX_NAME)} now names {name}: the dataset was rewritten in place after "
-        "its index.json was read (build a new Loader to read the dataset as it is now)"
+        f"; {index} now names {name}: the dataset was rewritten in place after it was read "
+        "(build a new Loader to read the dataset as it is now)"
     )
 
 
