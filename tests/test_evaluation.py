@@ -281,3 +281,21 @@ def test_ranks_take_the_same_steps_when_one_could_not_read_a_shard_while_countin
     assert len(set(lengths)) == 1, lengths
     assert [r["steps"] for r in ranks] == lengths
     assert sorted(k for r in ranks for k in r["keys"]) == sorted(index_order())
+
+
+def test_without_a_process_group_a_shard_unread_while_counting_is_refused_or_bounded():
+    """No process group to agree with: with two ranks a shard that could not be read while
+    counting is an error naming it (a rank that read it would count another length); with
+    one rank its share counts as one sample a row, and the pass, reading it well, evaluates
+    every sample once in that many batches."""
+    skip = {"read_policy": ReadPolicy(attempts=1), "on_shard_error": "skip", **OPTIONS}
+    with faulty_store(EXAMPLE) as store:
+        store.failing = {"shapes-000001.tar"}
+        two = wdsvlm.Loader(store.url, TOKENIZER, rank=0, world_size=2, **skip)
+        with pytest.raises(wdsvlm.StorageError, match="shapes-000001.tar could not be read"):
+            len(two)
+        one = wdsvlm.Loader(store.url, TOKENIZER, **skip)
+        assert len(one) == -(-320 // OPTIONS["batch_size"])  # one sample a row
+        store.failing = set()
+        keys = [k for batch in one for row in batch["sample_keys"] for k in row]
+    assert sorted(keys) == sorted(index_order())

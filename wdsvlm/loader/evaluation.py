@@ -58,7 +58,7 @@ def evaluation_batches(
             share_batches(plan, read, tokenize, pack, batch_size, w)
             for w in range(worker_config.global_workers)
         ]
-        unread = [name for _, names in counted for name in names]
+        unread = sorted({name for _, names in counted for name in names})
         if unread and worker_config.world_size > 1:
             raise StorageError(
                 f"the evaluation loader's length cannot be counted: {', '.join(unread[:5])} "
@@ -87,12 +87,13 @@ def evaluation_batches(
 def share_batches(
     plan: Plan, read: Any, tokenize: Any, pack: Any, batch_size: int, worker: int
 ) -> tuple[int, list[str]]:
-    """The batches global worker ``worker``'s share of the pass packs into, and the shards or
-    samples that could not be read while counting it (then the batches are ``share_bound``)."""
+    """The batches global worker ``worker``'s share of the pass packs into, and the shards
+    that could not be read while counting it (then the batches are ``share_bound``)."""
     reader = copy.copy(read)  # its own count of what it skips
     reader.stats = SkipStats(read.stats.max_consecutive)
     packs = sum(1 for _ in pack(tokenize(reader(plan.spans(0, worker)))))
-    unread = [name for reason in UNREAD for name in reader.stats.examples.get(reason, ())]
+    samples = [name for reason in UNREAD for name in reader.stats.examples.get(reason, ())]
+    unread = sorted({name.rsplit("/", 1)[0] for name in samples})  # "SHARD/KEY": the shards
     if not unread:
         return -(-packs // batch_size), []
     bound = share_bound(plan, worker, batch_size)
