@@ -1,13 +1,15 @@
 """Benchmark: how closely a Loader's batches follow a mixture's weight schedule.
 
     python scripts/bench_schedule.py [--out /tmp/wdsvlm-schedule] [--batches 800] [--window 200]
+        [--batch-size 8] [--max-length 512]
 
 Two text-only datasets of samples of similar size (``--samples`` each, written once under
 ``--out``); source ``a``'s weight goes from 1.0 to 0.2 over the first half of the run
 (``schedule="linear"``), source ``b``'s stays at 1.0. The Loader (one rank, 0 workers, the
-tokenizer of ``shards_example``) yields ``--batches`` batches; for every window of
-``--window`` consecutive batches (sliding by 10) the script compares ``a``'s share of the
-samples with the schedule's mean share over those batches, and prints the worst window.
+tokenizer of ``shards_example``, ``--batch-size`` rows of ``--max-length`` tokens) yields
+``--batches`` batches; for every window of ``--window`` consecutive batches (sliding by 10)
+the script compares ``a``'s share of the samples with the schedule's mean share over those
+batches, and prints the worst window.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=20000)
     parser.add_argument("--batches", type=int, default=800)
     parser.add_argument("--window", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-length", type=int, default=512)
     args = parser.parse_args()
     half = args.batches // 2
     sources = [
@@ -68,7 +72,9 @@ def main() -> None:
         ),
         wdsvlm.Source(text_dataset(args.out, "b", args.samples), name="b", weight=1.0),
     ]
-    loader = wdsvlm.Loader(sources, TOKENIZER, max_length=512, batch_size=8)
+    loader = wdsvlm.Loader(
+        sources, TOKENIZER, max_length=args.max_length, batch_size=args.batch_size
+    )
     schedule = loader.plan.schedule
     print(
         f"passes of {schedule.samples_per_pass} samples, {schedule.clock} batches each; "

@@ -25,7 +25,7 @@ from ..pipeline.usermap import ImageMap, SampleMap, check_workers_get
 from ..storage.cache import ShardCache
 from .placement import LOCAL
 from .settings import LoaderSettings, resume_config
-from .sizing import estimate_batches
+from .sizing import estimate_batches, pass_batches
 from .stream import Stream
 from .workers import (
     check_context,
@@ -231,15 +231,16 @@ def time_schedule(
 ) -> None:
     """A weight schedule's passes (``pipeline/schedule.py``): ``samples_per_pass``, else
     about ``SCHEDULE_PASS_BATCHES`` batches' worth of the sources' samples (from the estimate
-    of a pass over all of them); then the batches one such pass packs into, estimated alike on
-    every rank, is the clock that places each pass on the schedule."""
+    of a pass over all of them); then the batches one such pass packs into (a mean, worked out
+    alike on every rank: ``sizing.pass_batches``) is the clock that places each pass on the
+    schedule."""
     per_pass = plan.schedule.samples_per_pass if plan.schedule.given else None
     if per_pass is None:
         total = sum(s.size for s in plan.sources)
         whole = estimate_batches(plan, tokenize, pack, settings, config)
         per_pass = min(total, -(-total * SCHEDULE_PASS_BATCHES // max(1, whole)))
     plan.time_passes(max(per_pass, config.global_workers), 1)
-    plan.time_passes(plan.num_samples, estimate_batches(plan, tokenize, pack, settings, config))
+    plan.time_passes(plan.num_samples, pass_batches(plan, tokenize, pack, settings, config))
 
 
 def reader(settings: LoaderSettings, stats: SkipStats) -> ReadSamples:

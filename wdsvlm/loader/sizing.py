@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import ShardFormatError, StorageError
 from ..format.images import UnusableImage
 from ..pipeline.order import span
+from ..pipeline.packer import Packer
 from ..pipeline.plan import Plan, WorkerConfig
 from ..pipeline.read import ReadSamples
 from ..pipeline.stats import SkipStats
@@ -61,6 +63,22 @@ def estimate_batches(
     ``MEASURED_SHARDS`` shards is measured on that many, spread evenly, and scaled to its
     size (its other sidecars are not read). Every rank computes the same number, with no
     collective call."""
+    tokens = tiles = 0.0
+    for times, n_tokens, n_tiles in sample_numbers(plan, tokenize, pack, settings):
+        tokens += n_tokens * times
+        tiles += n_tiles * times
+    max_length, tile_budget = settings.max_length, pack.max_tiles_per_pack or 0
+    packs = tokens / (max_length * 0.97)
+    if tile_budget:
+        packs = max(packs, tiles / (tile_budget * 0.97))
+    batches = math.ceil(packs / worker_config.world_size / settings.batch_size)
+    # and one batch per worker for the few packs each leaves at the end of a pass
+    return batches + worker_config.workers_per_rank
+
+
+def sample_numbers(plan: Plan, tokenize: Any, pack: Any, settings: Any) -> list[tuple]:
+    """``(times a pass holds it, tokens, vision units)`` of each sample of the measured shards
+    that packing takes (``estimate_batches`` says how they are estimated)."""
     every = [  # (times a pass holds it, source, shard, entry) of the measured shards
         (source.per_pass / source.size * scale, source, s, entry)
         for source in plan.sources
@@ -71,7 +89,7 @@ def estimate_batches(
     per_text_token = characters_per_token(chosen, tokenize, settings)
     tile_budget = pack.max_tiles_per_pack or 0
     max_length = settings.max_length
-    tokens = tiles = 0.0
+    out = []
     for times, _, _, entry in every:  # each sample as often as a pass holds it
         try:
             images = tokenize.image_numbers(entry.get("images", []))
@@ -89,14 +107,45 @@ def estimate_batches(
             if not pack.truncate:
                 continue  # dropped
             n_tokens = max_length * 0.75
-        tokens += n_tokens * times
-        tiles += n_tiles * times
-    packs = tokens / (max_length * 0.97)
-    if tile_budget:
-        packs = max(packs, tiles / (tile_budget * 0.97))
-    batches = math.ceil(packs / worker_config.world_size / settings.batch_size)
-    # and one batch per worker for the few packs each leaves at the end of a pass
-    return batches + worker_config.workers_per_rank
+        out.append((times, n_tokens, n_tiles))
+    return out
+
+
+# A weight schedule's clock packs about this many samples: shares of a worker's pass.
+SIMULATED_SAMPLES = 4096
+
+
+def pass_batches(
+    plan: Plan, tokenize: Any, pack: Any, settings: Any, worker_config: WorkerConfig
+) -> float:
+    """Batches of a rank that one pass packs into, as a mean rather than a bound: a weight
+    schedule's clock (``pipeline/schedule.py``), which the passes drift from by its error
+    every pass. A worker's share of a pass is packed as the stream packs it: the estimated
+    numbers of samples drawn from the measured shards as often as a pass holds them, in a
+    seeded order (the same on every rank), by the Packer with the Loader's window, drained at
+    the end; the rank's workers make as many packs each, ``batch_size`` to a batch. Shares
+    are packed until about ``SIMULATED_SAMPLES`` samples are, and their packs averaged; a
+    larger share is packed in part, its packs before the drain scaled to the whole share."""
+    numbers = sample_numbers(plan, tokenize, pack, settings)
+    if not numbers:
+        return estimate_batches(plan, tokenize, pack, settings, worker_config)
+    share = plan.num_samples / worker_config.global_workers
+    size = max(1, min(SIMULATED_SAMPLES, round(share)))
+    weights = [t for t, _, _ in numbers]
+    rng = random.Random(0)
+    packs = []
+    for _ in range(max(1, SIMULATED_SAMPLES // size)):
+        packer = Packer(settings.max_length, pack.max_tiles_per_pack, pack.window)
+        made = 0
+        for _, tokens, units in rng.choices(numbers, weights=weights, k=size):
+            made += len(packer.push(None, max(1, round(tokens)), units))
+        waiting = len(packer.waiting)
+        drained = len(list(packer.drain()))
+        if size > waiting:  # the packs made before the drain, scaled to the share
+            packs.append(made * max(0.0, share - waiting) / (size - waiting) + drained)
+        else:
+            packs.append(drained * share / size)
+    return sum(packs) / len(packs) * worker_config.workers_per_rank / settings.batch_size
 
 
 MEASURED_SHARDS = 64

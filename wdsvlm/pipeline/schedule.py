@@ -9,13 +9,14 @@ the first point the first weight holds, after the last the last. A source's shar
 
 Passes are then short (``samples_per_pass``) and each pass holds each source's share of it
 at the mean share of the batches it is read in: pass ``p`` spans batches ``[p * clock,
-(p + 1) * clock)`` of a rank, ``clock`` being the batches one pass packs into (estimated once,
-from the index, the same on every rank; kept by a resume on another topology). The passes'
-counts are whole numbers that add up to ``samples_per_pass`` (largest remainders), and each
-source's extra samples rotate through it as with a fixed weight: pass ``p`` takes the next
-window after the ones of the passes before. So every pass is a pure function of the sources,
-the seed, the pass and the clock, as without a schedule, and resume and elastic resume stay
-exact.
+(p + 1) * clock)`` of a rank, ``clock`` being the batches one pass packs into: a mean (its
+error adds up pass after pass), worked out once by packing a pass's worth of the index's
+numbers, the same on every rank (``loader/sizing.py``), and kept by a resume on another
+topology. The passes' counts are whole numbers that add up to ``samples_per_pass`` (largest
+remainders), and each source's extra samples rotate through it as with a fixed weight: pass
+``p`` takes the next window after the ones of the passes before. So every pass is a pure
+function of the sources, the seed, the pass and the clock, as without a schedule, and resume
+and elastic resume stay exact.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class Schedule:
     kinds: list[str]
     sizes: list[int]
     samples_per_pass: int
-    clock: int = 1
-    """Batches of a rank one pass spans."""
+    clock: float = 1.0
+    """Batches of a rank one pass spans (a mean: a pass packs into a whole number of them)."""
     given: bool = False
     """Whether ``samples_per_pass`` was given (else the Loader chooses short passes)."""
     _extras: list = field(default_factory=list, repr=False)
@@ -137,8 +138,10 @@ class Schedule:
             out.append((copies, extra, start))
         return out
 
-    def set_clock(self, clock: int) -> None:
-        self.clock, self._extras = max(1, int(clock)), []
+    def set_clock(self, clock: float) -> None:
+        if not (clock > 0 and math.isfinite(clock)):
+            raise ValueError(f"a schedule's clock is batches of a rank a pass spans, not {clock}")
+        self.clock, self._extras = float(clock), []
 
     def spec(self) -> list:
         """What a saved state records of it (the clock apart: see ``Plan.adopt_clock``)."""
