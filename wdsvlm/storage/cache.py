@@ -215,8 +215,8 @@ class ShardCache:
         way)``; ``clean``: the temporary files of processes that died mid-fetch are removed."""
         files, fetching = [], 0
         for entry in os.scandir(self.folder):
-            if entry.name.endswith(".fetch") and clean:
-                stale = _lock(entry.path, wait=False)
+            if entry.name.endswith(".fetch"):  # a fetch under way: its reservation counts
+                stale = _lock(entry.path, wait=False) if clean else None
                 if stale is not None:  # its process died mid-fetch
                     _unlink(entry.path)
                     os.close(stale)
