@@ -114,7 +114,7 @@ def memory() -> dict:
         table = False
         for line in f:
             if not line[:1].isupper():  # a mapping's first line: its address range and path
-                table = line.rstrip().endswith("index.shards")
+                table = line.rstrip().endswith(".shards")
             elif table and line.startswith("Rss:"):
                 fields["table"] += int(line.split()[1]) / 1024
     return fields
@@ -178,7 +178,8 @@ def root_writing(shards: int) -> dict:
     kept = time.perf_counter() - start
     with tempfile.TemporaryDirectory() as out:
         publish_root(out, root_index(spilled, Totals(), {}, prefix="data"))
-        size = os.path.getsize(os.path.join(out, "index.shards"))
+        name = json.load(open(os.path.join(out, "index.json")))["table"]["name"]
+        size = os.path.getsize(os.path.join(out, name))
     return {
         "seconds": time.perf_counter() - start,
         "kept_seconds": kept,
@@ -262,8 +263,8 @@ def main() -> None:
         folder = make(args.out, n, version=args.version)
         size = sum(
             os.path.getsize(os.path.join(folder, f))
-            for f in ("index.json", "index.shards")
-            if os.path.exists(os.path.join(folder, f))
+            for f in os.listdir(folder)
+            if f == "index.json" or f.endswith(".shards")
         )
         dump = os.path.join(folder, "stream.pkl")
         main_run = in_fresh_process("--train", folder, dump)
