@@ -1,6 +1,7 @@
 """Benchmark: video samples through the Loader against the per-sample path a user would write.
 
     python scripts/bench_video.py [--copies 2] [--out /tmp/wdsvlm-video-bench]
+    python scripts/bench_video.py --threads [--rounds 2]
 
 The corpus: the test videos of ``wdsvlm.testing.videos`` (24, 25, 29.97, 30 and 60 fps, a
 rotated and a variable-frame-rate one, 0.5 to 3 s) and one 30 s 720p clip, each as a
@@ -18,6 +19,12 @@ Printed: samples/s of each and their ratio, measured side by side in one run; th
 sampled frame takes to decode, ``decode_frames`` (from the keyframe before it) against
 ``load_video`` (the whole stream); and the peak memory of decoding the 30 s clip's sampled
 frames (a fresh process) against the bytes of those frames.
+
+With ``--threads``, only FFmpeg's decode threads are compared on the 30 s 720p clip: one
+thread (the Loader's default, ``video_threads=1``) against FFmpeg's own count
+(``video_threads=0``: a thread per core and one more), each in a fresh process, decoding the
+frames the processor samples and then 64 frames spread over the clip; printed: the seconds
+and the peak memory growth of each, rounds alternating.
 """
 
 from __future__ import annotations
@@ -119,9 +126,9 @@ def decode_seconds(path: str, processor) -> tuple[float, float, int]:
     return mine / len(indices), theirs / len(indices), len(indices)
 
 
-def peak_child(path: str, indices: list[int]) -> None:
+def peak_child(path: str, indices: list[int], threads: int = 1) -> None:
     """In a fresh process (no torch, so the high-water mark starts low): the peak memory
-    growth of decoding the frames ``indices`` of ``path``."""
+    growth and the seconds of decoding the frames ``indices`` of ``path`` with ``threads``."""
     from wdsvlm.format.videos import decode_frames, probe_video
 
     data = open(path, "rb").read()
@@ -129,9 +136,45 @@ def peak_child(path: str, indices: list[int]) -> None:
     with open("/proc/self/clear_refs", "w") as f:  # Linux: the high-water mark starts again here
         f.write("5")
     before = _status_bytes("VmHWM")
-    frames = decode_frames(data, indices, info)
+    started = time.perf_counter()
+    frames = decode_frames(data, indices, info, threads=threads)
+    seconds = time.perf_counter() - started
     after = _status_bytes("VmHWM")
-    print(json.dumps({"growth": after - before, "pixels": frames.nbytes}))
+    print(json.dumps({"growth": after - before, "pixels": frames.nbytes, "seconds": seconds}))
+
+
+def _child(spec: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, "--peak", spec], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compare_threads(out: str, rounds: int) -> None:
+    """FFmpeg's decode threads, 1 against its own count, on the 30 s 720p clip."""
+    from wdsvlm.families.qwen_video import QwenVideo
+    from wdsvlm.format.videos import probe_video
+    from wdsvlm.testing.qwen import qwen_processor
+    from wdsvlm.testing.videos import BIG, make_video
+
+    os.makedirs(out, exist_ok=True)
+    big = os.path.join(out, f"{BIG.name}.mp4")
+    if not os.path.exists(big):
+        with open(big, "wb") as f:
+            f.write(make_video(BIG))
+    with open(big, "rb") as f:
+        info = probe_video(f.read())
+    sampled = QwenVideo(qwen_processor("qwen2_5_vl"), "qwen2_5_vl").frames(info)
+    dense = list(range(0, info.frames, info.frames // 64))[:64]  # 64 frames, spread
+    for name, indices in (("sampled", list(sampled)), ("64 spread", dense)):
+        for r in range(rounds):
+            for threads in (1, 0):
+                got = _child(f"{big}:{','.join(map(str, indices))}:{threads}")
+                print(
+                    f"round {r}, {len(indices)} frames ({name}), video_threads={threads}: "
+                    f"{got['seconds']:.3f} s, peak growth {got['growth'] / 2**20:.0f} MB "
+                    f"({got['pixels'] / 2**20:.0f} MB of frames)"
+                )
 
 
 def _status_bytes(field: str) -> int:
@@ -146,11 +189,15 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--out", default="/tmp/wdsvlm-video-bench")
+    parser.add_argument("--threads", action="store_true", help="compare decode threads only")
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--peak", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peak:
-        path, indices = args.peak.split(":", 1)
-        return peak_child(path, [int(i) for i in indices.split(",")])
+        path, indices, threads = args.peak.rsplit(":", 2)
+        return peak_child(path, [int(i) for i in indices.split(",")], int(threads))
+    if args.threads:
+        return compare_threads(args.out, args.rounds)
     from wdsvlm.testing.qwen import qwen_processor
 
     processor = qwen_processor("qwen2_5_vl")
@@ -176,11 +223,7 @@ def main() -> None:
 
     with open(big, "rb") as f:
         indices = QwenVideo(processor, "qwen2_5_vl").frames(probe_video(f.read()))
-    spec = f"{big}:{','.join(map(str, indices))}"
-    out = subprocess.run(
-        [sys.executable, __file__, "--peak", spec], capture_output=True, text=True, check=True
-    )
-    peak = json.loads(out.stdout.strip().splitlines()[-1])
+    peak = _child(f"{big}:{','.join(map(str, indices))}:1")
     print(
         f"peak memory decoding them: {peak['growth'] / 2**20:.0f} MB for "
         f"{peak['pixels'] / 2**20:.0f} MB of frames ({peak['growth'] / peak['pixels']:.2f}x)"

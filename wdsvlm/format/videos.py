@@ -2,17 +2,27 @@
 frames a sample needs. No torch: the writer uses this module. PyAV (``pip install av``, FFmpeg
 bundled) reads them from bytes.
 
+The bytes are untrusted. FFmpeg never guesses their format: they are opened with the demuxer
+their member's extension names (``DEMUXERS``, an allow-list), and FFmpeg may open nothing
+else (no file, no URL: a playlist or a concat script cannot reach past the bytes given). A
+video whose frames and size as its headers state them pass ``max_pixels`` (frames x width x
+height) or whose frame passes Pillow's bound for one image is refused before a frame is
+decoded (``VideoTooLarge``).
+
 What the index records (``probe_video``) is what planning needs without decoding: the frame
-count and average frame rate as the container states them (what transformers' ``load_video``
-reads, so frames are sampled as the processor samples them), the duration, the stored size,
-the display rotation, the codec, and the frame index of each keyframe, so that a reader seeks
-to the keyframe before the first frame it needs and decodes from there, never the whole
-stream. Frame ``i`` is the ``i``-th frame the decoder gives from the start, as ``load_video``
-counts them.
+count (the frames a sequential decode gives: the packets the decoder keeps, those an edit
+list hides left out), the average frame rate as the container states it (what
+transformers' ``load_video`` reads), the duration, the stored size, the display rotation, the
+codec, and of each keyframe the number of the first frame shown from it on and its time, so
+that a reader seeks to the keyframe before the first frame it needs and decodes from there,
+never the whole stream. Frame ``i`` is the ``i``-th frame a sequential decode gives (``for
+frame in container.decode(video=0)``, as ``load_video`` counts them), at probe time and at
+decode time alike.
 """
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import math
@@ -35,7 +45,38 @@ def video_members(sample: dict) -> list[str]:
 
 class UnreadableVideo(ValueError):
     """The bytes are not a video PyAV can demux and decode: truncated, no video stream, a
-    codec FFmpeg cannot decode, no frames."""
+    codec FFmpeg cannot decode, no frames, a container outside ``DEMUXERS``."""
+
+
+class VideoTooLarge(UnreadableVideo):
+    """The video's headers state more pixels than the bound allows (``max_pixels`` for the
+    whole video, Pillow's for one frame): refused before a frame is decoded."""
+
+
+# The demuxer each stored extension is opened with. Nothing else is opened: FFmpeg's other
+# demuxers read playlists, scripts and image sequences that name files outside the bytes.
+DEMUXERS = {
+    "mp4": "mp4",
+    "mov": "mov",
+    "m4v": "mp4",
+    "mkv": "matroska",
+    "webm": "matroska",
+    "avi": "avi",
+}
+# What bytes without an extension are tried as, in turn, and the extension each is stored as.
+_UNNAMED = (("mp4", "mp4"), ("matroska", "mkv"), ("avi", "avi"))
+# No protocol is allowed: whatever a demuxer would open beside the bytes (an MP4's external
+# data references, ...) is refused. The list names no protocol FFmpeg has.
+_CONTAINER_OPTIONS = {"protocol_whitelist": "none"}
+# Opening a container decodes a few frames to learn what its headers leave open (H.264's
+# frame delay): none is decoded before its size is checked (a forged 16000x16000 header cost
+# 715 MB just to open). The decoder that reads the frames later is another, without it.
+_STREAM_OPTIONS = {"skip_frame": "all"}
+# frames x width x height a video may state: a 4K clip (3840x2160) of 30 s at 60 fps is
+# 1.5e10, an hour of 720p at 30 fps 1.0e11.
+MAX_VIDEO_PIXELS = 10**11
+# FFmpeg's decode threads for one video: one per worker, which already has a core of its own.
+VIDEO_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -71,79 +112,133 @@ def _av() -> Any:
     return av
 
 
-def _open(data: bytes) -> Any:
+def _open(data: bytes, ext: str) -> Any:
+    """The container of ``data`` stored as ``ext``, opened with that extension's demuxer."""
     av = _av()
+    demuxer = DEMUXERS.get(ext)
+    if demuxer is None:
+        raise UnreadableVideo(f"stored as .{ext}: videos are opened only as {', '.join(DEMUXERS)}")
     try:
-        container = av.open(io.BytesIO(data), mode="r")
+        container = av.open(
+            io.BytesIO(data),
+            mode="r",
+            format=demuxer,
+            options=_STREAM_OPTIONS,
+            container_options=_CONTAINER_OPTIONS,
+        )
     except (av.FFmpegError, ValueError) as e:
         reason = getattr(e, "strerror", None) or e
-        raise UnreadableVideo(f"not a video container FFmpeg can open ({reason})") from e
+        raise UnreadableVideo(f"not a .{ext} video FFmpeg can open ({reason})") from e
     if not container.streams.video:
         container.close()
         raise UnreadableVideo("no video stream")
     return container
 
 
-def probe_video(data: bytes, ext: str | None = None) -> VideoInfo:
-    """What the index records of ``data`` (stored as ``ext``, by default its container's);
-    refused (``UnreadableVideo``) unless every packet demuxes, the first frame decodes and the
-    container's frame count is the decoder's."""
-    av = _av()
-    container = _open(data)
-    if ext is None:  # FFmpeg's names of the container: "mov,mp4,m4a,3gp,3g2,mj2", "avi", ...
-        names = str(container.format.name).split(",")
-        ext = "mkv" if "matroska" in names else "avi" if "avi" in names else "mp4"
-    try:
-        stream = container.streams.video[0]
-        if stream.codec_context is None or stream.codec_context.name is None:
-            raise UnreadableVideo("a video stream with no codec FFmpeg can decode")
-        rate = stream.average_rate
-        stated = int(stream.frames)
-        times: list[int] = []
-        keys: list[int] = []
+def _open_unnamed(data: bytes) -> tuple[Any, str]:
+    """The container of bytes that come without an extension, and the extension to store them
+    as: the first of ``_UNNAMED`` whose demuxer opens them."""
+    reasons = []
+    for demuxer, ext in _UNNAMED:
         try:
-            for packet in container.demux(stream):
-                if packet.size and packet.is_corrupt:  # cut short: a truncated file
-                    raise UnreadableVideo(f"frame {len(times)} of its stream is cut short")
-                if packet.size and packet.pts is not None:
-                    times.append(packet.pts)
-                    if packet.is_keyframe:
-                        keys.append(packet.pts)
-        except av.FFmpegError as e:
-            raise UnreadableVideo(f"its stream breaks off after {len(times)} frames: {e}") from e
-        if not times:
-            raise UnreadableVideo("no frames")
-        if not rate:
-            raise UnreadableVideo("no frame rate in the container")
-        if stated not in (0, len(times)):
-            raise UnreadableVideo(
-                f"the container says {stated} frames, its stream holds {len(times)}"
-            )
-        order = {pts: i for i, pts in enumerate(sorted(times))}
-        keyframes = tuple(sorted((order[pts], pts) for pts in keys))
-        if not keyframes or keyframes[0][0] != 0:
-            raise UnreadableVideo("the first frame is no keyframe: it cannot be decoded alone")
-        container.seek(0)
-        first = next(container.decode(stream), None)
-        if first is None:
-            raise UnreadableVideo("its first frame does not decode")
-        rotation = int(round(getattr(first, "rotation", 0) or 0)) % 360
-        frames = stated or len(times)
-        return VideoInfo(
-            ext=ext,
-            frames=frames,
-            fps=float(rate),
-            duration=float(frames / rate),
-            width=int(stream.width),
-            height=int(stream.height),
-            rotation=rotation,
-            codec=str(stream.codec_context.name),
-            keyframes=keyframes,
+            return _open(data, ext), ext
+        except UnreadableVideo as e:
+            reasons.append(f"{demuxer}: {e}")
+    raise UnreadableVideo(f"not a video of the containers wdsvlm opens ({'; '.join(reasons)})")
+
+
+def check_pixels(frames: int, width: int, height: int, max_pixels: int) -> None:
+    """Refuse (``VideoTooLarge``) a video of ``frames`` of ``width`` x ``height`` over
+    ``max_pixels`` in all, or whose frame is over Pillow's bound for one image (twice
+    ``PIL.Image.MAX_IMAGE_PIXELS``, where Pillow refuses an image as a decompression bomb)."""
+    from PIL import Image
+
+    if Image.MAX_IMAGE_PIXELS and width * height > 2 * Image.MAX_IMAGE_PIXELS:
+        raise VideoTooLarge(
+            f"its frames are {width}x{height}, over Pillow's bound for one image "
+            f"({2 * Image.MAX_IMAGE_PIXELS} pixels, PIL.Image.MAX_IMAGE_PIXELS x 2)"
         )
+    if frames * width * height > max_pixels:
+        raise VideoTooLarge(
+            f"{frames} frames of {width}x{height} are {frames * width * height} pixels, over "
+            f"max_video_pixels ({max_pixels})"
+        )
+
+
+def _header_size(container: Any) -> tuple[int, int, int]:
+    """``(frames, width, height)`` of the first video stream as its headers state them."""
+    stream = container.streams.video[0]
+    context = stream.codec_context
+    width = max(int(stream.width or 0), int(getattr(context, "width", 0) or 0))
+    height = max(int(stream.height or 0), int(getattr(context, "height", 0) or 0))
+    return int(stream.frames or 0), width, height
+
+
+def probe_video(
+    data: bytes, ext: str | None = None, max_pixels: int = MAX_VIDEO_PIXELS
+) -> VideoInfo:
+    """What the index records of ``data`` stored as ``ext`` (None: bytes that came without an
+    extension, tried as ``_UNNAMED`` in turn); refused (``UnreadableVideo``) unless it opens
+    with its extension's demuxer, every packet demuxes, its first frame decodes and it keeps
+    within ``max_pixels`` (``check_pixels``, from its headers before a frame is decoded)."""
+    av = _av()
+    container, ext = _open_unnamed(data) if ext is None else (_open(data, ext), ext)
+    with container:  # closed on every path, so no FFmpeg thread outlives the probe
+        try:
+            return _probe(av, container, ext, max_pixels)
+        except av.FFmpegError as e:
+            raise UnreadableVideo(str(e)) from e
+
+
+def _probe(av: Any, container: Any, ext: str, max_pixels: int) -> VideoInfo:
+    stream = container.streams.video[0]
+    if stream.codec_context is None or stream.codec_context.name is None:
+        raise UnreadableVideo("a video stream with no codec FFmpeg can decode")
+    stated, width, height = _header_size(container)
+    check_pixels(stated, width, height, max_pixels)
+    rate = stream.average_rate
+    shown: list[int] = []  # the times of the frames a sequential decode gives
+    keys: list[int] = []  # the keyframes' times, shown or not
+    try:
+        for packet in container.demux(stream):
+            if not packet.size or packet.pts is None:
+                continue
+            if packet.is_corrupt:  # cut short: a truncated file
+                raise UnreadableVideo(f"frame {len(shown)} of its stream is cut short")
+            if packet.is_keyframe:
+                keys.append(packet.pts)
+            if not packet.is_discard:  # an edit list hides it: the decoder drops its frame
+                shown.append(packet.pts)
+            if len(shown) * width * height > max_pixels:  # the container did not say
+                check_pixels(len(shown), width, height, max_pixels)
     except av.FFmpegError as e:
-        raise UnreadableVideo(str(e)) from e
-    finally:
-        container.close()
+        raise UnreadableVideo(f"its stream breaks off after {len(shown)} frames: {e}") from e
+    if not shown:
+        raise UnreadableVideo("no frames")
+    if not rate:
+        raise UnreadableVideo("no frame rate in the container")
+    shown.sort()
+    # a keyframe's number: the frames shown before it, as a sequential decode counts them
+    keyframes = tuple(sorted((bisect.bisect_left(shown, pts), pts) for pts in keys))
+    if not keyframes or keyframes[0][0] != 0:
+        raise UnreadableVideo("the first frame is no keyframe: it cannot be decoded alone")
+    stream.codec_context.thread_count = 1
+    container.seek(keyframes[0][1], stream=stream, backward=True, any_frame=False)
+    first = next(container.decode(stream), None)
+    if first is None:
+        raise UnreadableVideo("its first frame does not decode")
+    rotation = int(round(getattr(first, "rotation", 0) or 0)) % 360
+    return VideoInfo(
+        ext=ext,
+        frames=len(shown),
+        fps=float(rate),
+        duration=float(len(shown) / rate),
+        width=width,
+        height=height,
+        rotation=rotation,
+        codec=str(stream.codec_context.name),
+        keyframes=keyframes,
+    )
 
 
 FRAMES_META = "meta.json"  # the frame rate of a video stored as its frames, in its tar
@@ -227,64 +322,90 @@ def _stored_frames(data: bytes, indices: Sequence[int], info: VideoInfo) -> np.n
     return out
 
 
-def decode_frames(data: bytes, indices: Sequence[int], info: VideoInfo) -> np.ndarray:
+def decode_frames(
+    data: bytes,
+    indices: Sequence[int],
+    info: VideoInfo,
+    *,
+    max_pixels: int = MAX_VIDEO_PIXELS,
+    threads: int = VIDEO_THREADS,
+) -> np.ndarray:
     """``[len(indices), height, width, 3]`` uint8 RGB: the frames ``indices``, in that order,
     as stored (no rotation), decoded from the keyframe before each run of them on, never from
     the start of the stream unless a frame there is asked for, straight into the output (a
-    worker holds about the sampled frames' pixels, not the stream's)."""
-    if info.ext == FRAMES:
-        wanted = [int(i) for i in indices]
-        if wanted and (min(wanted) < 0 or max(wanted) >= info.frames):
-            low, high = min(wanted), max(wanted)
-            raise ValueError(f"frames {low}..{high} asked of a video of {info.frames}")
-        return _stored_frames(data, wanted, info)
-    av = _av()
+    worker holds about the sampled frames' pixels, not the stream's). The video is refused
+    (``VideoTooLarge``) where the index or its own headers state more than ``max_pixels``,
+    before a frame is decoded; FFmpeg decodes it with ``threads`` threads (0: its own count,
+    one per core and one more)."""
     wanted = sorted(set(int(i) for i in indices))
     if wanted and (wanted[0] < 0 or wanted[-1] >= info.frames):
         raise ValueError(f"frames {wanted[0]}..{wanted[-1]} asked of a video of {info.frames}")
+    check_pixels(info.frames, info.width, info.height, max_pixels)
+    if info.ext == FRAMES:
+        return _stored_frames(data, [int(i) for i in indices], info)
+    av = _av()
     rows: dict[int, list[int]] = {}  # the rows of the output each frame goes to
     for row, i in enumerate(indices):
         rows.setdefault(int(i), []).append(row)
-    out = np.empty((len(indices), info.height, info.width, 3), dtype=np.uint8)
-    done = 0
-    container = _open(data)
-    try:
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        starts = [k for k, _ in info.keyframes]
-        at = -1  # the index of the frame the decoder gave last
-        frames = None
-        first_pts = None
-        for index in wanted:
-            key, key_pts = info.keyframes[int(np.searchsorted(starts, index, side="right")) - 1]
-            if frames is None or key > at + 1:  # seek, unless the decoder passes it on its way
-                container.seek(key_pts, stream=stream, backward=True, any_frame=False)
-                frames = container.decode(stream)
-                at, first_pts = key - 1, key_pts
-            for frame in frames:
-                if first_pts is not None and frame.pts is not None and frame.pts < first_pts:
-                    continue  # a leading frame of an open GOP, from before the keyframe
-                first_pts = None
-                at += 1
-                if at == index:
-                    pixels = frame.to_ndarray(format="rgb24")
-                    if pixels.shape != out.shape[1:]:
-                        raise UnreadableVideo(
-                            f"frame {index} decodes to {pixels.shape[1]}x{pixels.shape[0]}, "
-                            f"the index says {info.width}x{info.height}"
-                        )
-                    for row in rows[index]:
-                        out[row] = pixels
-                    done += 1
-                    break
-            else:
-                break
-    except av.FFmpegError as e:
-        raise UnreadableVideo(f"frame {done} of {len(wanted)} does not decode: {e}") from e
-    finally:
-        container.close()
+    with _open(data, info.ext) as container:  # closed on every path, its threads with it
+        stated, width, height = _header_size(container)
+        check_pixels(max(stated, info.frames), width, height, max_pixels)
+        if (width, height) != (info.width, info.height):
+            raise UnreadableVideo(
+                f"its header says {width}x{height}, the index {info.width}x{info.height}"
+            )
+        out = np.empty((len(indices), info.height, info.width, 3), dtype=np.uint8)
+        try:
+            done = _decode_into(container, wanted, rows, info, threads, out)
+        except av.FFmpegError as e:
+            raise UnreadableVideo(f"a frame of the {len(wanted)} asked does not decode: {e}") from e
     if done < len(wanted):
         raise UnreadableVideo(
             f"decodes to fewer frames than the index's {info.frames}: frame {wanted[done]} missing"
         )
     return out
+
+
+def _decode_into(
+    container: Any,
+    wanted: list[int],
+    rows: dict[int, list[int]],
+    info: VideoInfo,
+    threads: int,
+    out: np.ndarray,
+) -> int:
+    """Decode the frames ``wanted`` (sorted) into their ``rows`` of ``out``; how many came."""
+    stream = container.streams.video[0]
+    stream.codec_context.thread_count = threads
+    if threads != 1:
+        stream.thread_type = "AUTO"  # frame and slice threads
+    starts = [k for k, _ in info.keyframes]
+    at = -1  # the number of the frame the decoder gave last
+    frames = None
+    first_pts = None
+    done = 0
+    for index in wanted:
+        key, key_pts = info.keyframes[int(np.searchsorted(starts, index, side="right")) - 1]
+        if frames is None or key > at + 1:  # seek, unless the decoder passes it on its way
+            container.seek(key_pts, stream=stream, backward=True, any_frame=False)
+            frames = container.decode(stream)
+            at, first_pts = key - 1, key_pts
+        for frame in frames:
+            if first_pts is not None and frame.pts is not None and frame.pts < first_pts:
+                continue  # a leading frame of an open GOP, from before the keyframe
+            first_pts = None
+            at += 1
+            if at == index:
+                pixels = frame.to_ndarray(format="rgb24")
+                if pixels.shape != out.shape[1:]:
+                    raise UnreadableVideo(
+                        f"frame {index} decodes to {pixels.shape[1]}x{pixels.shape[0]}, "
+                        f"the index says {info.width}x{info.height}"
+                    )
+                for row in rows[index]:
+                    out[row] = pixels
+                done += 1
+                break
+        else:
+            break
+    return done

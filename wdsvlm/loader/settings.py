@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..format.videos import MAX_VIDEO_PIXELS, VIDEO_THREADS
 from ..pipeline.order import SPAN_BYTES, SPAN_SAMPLES
 from ..pipeline.plan import PLAN_VERSION, check_version
 from ..storage.fs import ReadPolicy
@@ -129,6 +130,13 @@ class LoaderSettings:
     persistent_workers: bool = False
     multiprocessing_context: str | None = None
     """How workers start: None (``forkserver``), ``"forkserver"``, ``"spawn"`` or ``"fork"``."""
+    max_video_pixels: int = MAX_VIDEO_PIXELS
+    """Frames x width x height a video may have, as its index and its own headers state them:
+    a video over it (or whose frame is over Pillow's bound for one image) is skipped before a
+    frame is decoded, counted as ``video_too_large``."""
+    video_threads: int = VIDEO_THREADS
+    """FFmpeg's decode threads for a video, in each worker (0: FFmpeg's own count, one per
+    core and one more)."""
     max_consecutive_failures: int = 100
     """Bad samples in a row, in one stage, that stop the run as a systematic fault."""
     rank: int | None = None
@@ -147,8 +155,9 @@ class LoaderSettings:
             "pack_window",
             "cache_bytes",
             "max_consecutive_failures",
+            "max_video_pixels",
         ]
-        at_least_zero = ["num_workers", "read_ahead"]
+        at_least_zero = ["num_workers", "read_ahead", "video_threads"]
         optional_positive = [
             "shuffle_buffer",
             "span_samples",

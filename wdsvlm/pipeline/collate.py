@@ -18,7 +18,15 @@ import torch
 from ..families.base import Family
 from ..families.tiling import ImageConfig, TilingFamily
 from ..format.images import UnreadableImage
-from ..format.videos import UnreadableVideo, VideoInfo, decode_frames, video_members
+from ..format.videos import (
+    MAX_VIDEO_PIXELS,
+    VIDEO_THREADS,
+    UnreadableVideo,
+    VideoInfo,
+    VideoTooLarge,
+    decode_frames,
+    video_members,
+)
 from .images import uint8_tiles
 from .memory import private_uint8, shared_uint8
 from .stats import SkipStats, sample_name
@@ -56,8 +64,11 @@ class Collate:
         stats: SkipStats | None = None,
         image_map: ImageMap | None = None,
         sources: bool = False,
+        max_video_pixels: int = MAX_VIDEO_PIXELS,
+        video_threads: int = VIDEO_THREADS,
     ):
         self.family = family or TilingFamily(image_config)
+        self.max_video_pixels, self.video_threads = max_video_pixels, video_threads
         self.sources = sources
         self.image_map = image_map
         self._constant_fields = self.family.constant_fields()  # made once, in every batch
@@ -85,6 +96,9 @@ class Collate:
                     self._fill_videos(sample, videos[at : at + m])
             except UnreadableImage as e:
                 self.stats.skip("collate", "undecodable_image", sample, str(e))
+                failed.append((sample, (start, n), (at, m)))
+            except VideoTooLarge as e:
+                self.stats.skip("collate", "video_too_large", sample, str(e))
                 failed.append((sample, (start, n), (at, m)))
             except UnreadableVideo as e:
                 self.stats.skip("collate", "undecodable_video", sample, str(e))
@@ -120,7 +134,13 @@ class Collate:
             raise UnreadableVideo(f"{len(names)} video members, the index lists {len(infos)}")
         start = 0
         for name, info, n in zip(names, infos, sample["video_units"], strict=True):
-            frames = decode_frames(sample[name], video.frames(info), info)
+            frames = decode_frames(
+                sample[name],
+                video.frames(info),
+                info,
+                max_pixels=self.max_video_pixels,
+                threads=self.video_threads,
+            )
             video.units(frames, info, out[start : start + n])
             start += n
 

@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip bad records (counted, listed in skipped.jsonl) instead of stopping",
     )
     write.add_argument("--overwrite", action="store_true", help="replace a dataset at the output")
+    write.add_argument(
+        "--max-video-pixels",
+        type=int,
+        metavar="N",
+        help="refuse a video of more frames x width x height (default 100000000000: an hour "
+        "of 720p at 30 fps; a 30 s 4K clip at 60 fps is 1.5e10)",
+    )
     index_version(write)
     write.add_argument(
         "--engine",

@@ -43,6 +43,7 @@ def write(args: argparse.Namespace) -> None:
         overwrite=args.overwrite,
         progress=not args.quiet,
         index_version=args.index_version,
+        **({"max_video_pixels": args.max_video_pixels} if args.max_video_pixels else {}),
         engine=args.engine,
         ray_address=args.ray_address,
     )

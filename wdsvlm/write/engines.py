@@ -75,7 +75,11 @@ class LocalEngine:
             )
 
     def checked(self) -> Iterator:
-        check = partial(check_record, storage_options=self.storage_options)
+        check = partial(
+            check_record,
+            storage_options=self.storage_options,
+            max_video_pixels=self.opts.max_video_pixels,
+        )
         return _checked_in_batches(self.pool, check, self.records(), self.workers)
 
     def apply_async(self, fn: Callable, args: tuple) -> Pending:

@@ -138,7 +138,8 @@ class RayEngine:
         """Every record checked, in input order, at most two units per CPU in flight."""
         window: collections.deque = collections.deque()
         for unit in self.units():
-            window.append(self._handed(self._check.remote(unit, self.storage_options)))
+            check = self._check.remote(unit, self.storage_options, self.opts.max_video_pixels)
+            window.append(self._handed(check))
             while len(window) >= 2 * self.workers:
                 yield from self._collect(window.popleft())
         while window:
@@ -183,7 +184,7 @@ def _run(fn, args):
     return fn(*args)
 
 
-def _check_unit(unit: tuple, storage_options: Mapping[str, Any]) -> list:
+def _check_unit(unit: tuple, storage_options: Mapping[str, Any], max_video_pixels: int) -> list:
     """A task: the checked records of one unit (see the module)."""
     if unit[0] == "records":
         records = unit[1]
@@ -193,4 +194,4 @@ def _check_unit(unit: tuple, storage_options: Mapping[str, Any]) -> list:
             normalize(raw, fmt, where, path, image_root, origin)
             for where, raw, origin in iter_parquet(path, storage_options, [group], first)
         ]
-    return [check_record(r, storage_options) for r in records]
+    return [check_record(r, storage_options, max_video_pixels) for r in records]

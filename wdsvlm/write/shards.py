@@ -24,8 +24,10 @@ from ..format.index import sample_key, shard_name
 from ..format.members import media_name
 from ..format.tarball import HashingTarWriter, member_bytes, tar_bytes
 from ..format.videos import (
+    MAX_VIDEO_PIXELS,
     VIDEO_EXTENSIONS,
     UnreadableVideo,
+    check_pixels,
     frames_info,
     frames_meta,
     frames_video,
@@ -37,7 +39,9 @@ from .parquet import Embedded
 
 
 def check_record(
-    record: dict | InputError, storage_options: Mapping[str, Any] | None = None
+    record: dict | InputError,
+    storage_options: Mapping[str, Any] | None = None,
+    max_video_pixels: int = MAX_VIDEO_PIXELS,
 ) -> dict | InputError:
     """Read and check a record's images; return the sample to write, or the InputError.
 
@@ -64,7 +68,7 @@ def check_record(
         images.append((path, info, size))
     videos = []
     for video in record.get("videos", []):  # a file or URL, Frames, or embedded in Parquet
-        checked = _check_video(video, where, storage_options)
+        checked = _check_video(video, where, storage_options, max_video_pixels)
         if isinstance(checked, InputError):
             return checked
         videos.append(checked)
@@ -81,7 +85,9 @@ def check_record(
     }
 
 
-def _check_video(video: Any, where: str, storage_options) -> tuple | InputError:
+def _check_video(
+    video: Any, where: str, storage_options, max_video_pixels: int = MAX_VIDEO_PIXELS
+) -> tuple | InputError:
     """``(reference, what the index records, stored size)`` of a record's video, or why it
     cannot be written."""
     if isinstance(video, Frames):
@@ -102,6 +108,7 @@ def _check_video(video: Any, where: str, storage_options) -> tuple | InputError:
             size += member_bytes(len(stored_bytes(data, image)) if image.reencoded else len(data))
         try:
             info = frames_info(sizes, video.fps, "+".join(sorted(codecs)))
+            check_pixels(info.frames, info.width, info.height, max_video_pixels)
         except UnreadableVideo as e:
             return InputError(where, "unreadable_video", f"{video}: {e}")
         return video, info, tar_bytes(size)
@@ -109,7 +116,7 @@ def _check_video(video: Any, where: str, storage_options) -> tuple | InputError:
     if isinstance(data, InputError):
         return data
     try:
-        info = probe_video(data, _video_ext(video))
+        info = probe_video(data, _video_ext(video), max_video_pixels)
     except UnreadableVideo as e:
         return InputError(
             where, "unreadable_video", f"{_video_name(video)} is not a decodable video: {e}"

@@ -34,6 +34,7 @@ from ..format.builder import (
 )
 from ..format.index import INDEX_NAME, SKIPPED_NAME
 from ..format.tarball import BLOCK
+from ..format.videos import MAX_VIDEO_PIXELS
 from ..progress import progress
 from ..storage.fs import exists, join, list_names, remove
 from .inputs import FORMATS, expand_inputs
@@ -68,6 +69,9 @@ class WriteOptions:
     """Replace a dataset already at the output."""
     progress: bool = True
     """Show progress bars."""
+    max_video_pixels: int = MAX_VIDEO_PIXELS
+    """Frames x width x height a video may have, as its headers state them (over it, or a frame
+    over Pillow's bound for one image, the record is refused as ``unreadable_video``)."""
     index_version: int = 3
     """The layout of the root index: 3 (the shards in a binary table, ``index.shards``), or 2
     (every shard in ``index.json``, for readers of a wdsvlm before version 3)."""
@@ -81,6 +85,8 @@ class WriteOptions:
             raise ValueError(f"max_shard_bytes is too small: {self.max_shard_bytes}")
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, not {self.workers}")
+        if self.max_video_pixels < 1:
+            raise ValueError(f"max_video_pixels must be at least 1, not {self.max_video_pixels}")
         if self.index_version not in (2, 3):
             raise ValueError(f"index_version must be 2 or 3, not {self.index_version!r}")
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_-]*", self.prefix):
