@@ -22,7 +22,7 @@ from .. import compat
 from ..errors import WdsvlmError
 from .build import build
 from .evaluation import evaluation_batches
-from .placement import RayWorkers
+from .placement import RayWorkers, check_ranks
 from .report import Yielded, epoch_advice, epoch_stats
 from .resume import resume_point, topology_of
 from .settings import settings_from, signature_with_settings
@@ -106,16 +106,10 @@ class Loader:
         for (its first ``len()`` or iteration: ``evaluation.evaluation_batches``), once; under
         ``torch.distributed`` that is a collective call, which every rank makes alike."""
         if self._uncounted:
-            stream = self.stream
-            length = evaluation_batches(
-                self.plan,
-                stream.read,
-                stream.tokenize,
-                stream.pack,
-                self.settings.batch_size,
-                self.worker_config,
-            )
-            self._length = stream.batches_per_epoch = self._config["batches_per_epoch"] = length
+            s = self.stream
+            parts = (s.read, s.tokenize, s.pack, self.settings.batch_size, self.worker_config)
+            length = evaluation_batches(self.plan, *parts)
+            self._length = s.batches_per_epoch = self._config["batches_per_epoch"] = length
             self._uncounted = False
         return self._length
 
@@ -199,7 +193,7 @@ class Loader:
         return self._batches_per_epoch
 
     def __iter__(self) -> Iterator[dict]:
-        self._check_ranks()
+        check_ranks(self.worker_config, self.settings)
         if self.settings.evaluation:  # each iteration one whole pass: nothing carried
             self._start_afresh(0)
         batches = self._epoch_batches()
@@ -284,29 +278,6 @@ class Loader:
         self._dataloader = None
         self._reusable = False
         self.stream.forget()
-
-    def _check_ranks(self) -> None:
-        """At each iteration: a rank and world size this loader read from the environment
-        when it was built must agree with ``torch.distributed``'s now (a Loader built before
-        ``init_process_group`` in a launcher that sets no ``RANK`` believes it is rank 0 of 1,
-        and every rank would read the whole dataset). Those given as ``rank=`` and
-        ``world_size=`` are the user's (a data-parallel group's, say): not checked."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        config, settings = self.worker_config, self.settings
-        here = (config.rank, config.world_size)
-        there = (dist.get_rank(), dist.get_world_size())
-        read = (settings.rank is None, settings.world_size is None)
-        if any(r and a != b for r, a, b in zip(read, here, there, strict=True)):
-            raise WdsvlmError(
-                f"this Loader was built as rank {here[0]} of {here[1]} (read from the "
-                "environment when it was built), but torch.distributed says this process is "
-                f"rank {there[0]} of {there[1]}: each rank would read the wrong share of the "
-                "data. Build the Loader after init_process_group, or pass it rank= and "
-                "world_size="
-            )
 
     @property
     def _on_ray(self) -> bool:

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import WdsvlmError
+
 LOCAL = "local"
 
 
@@ -101,4 +103,27 @@ def check_workers(workers: Any, num_workers: int) -> None:
         raise ValueError(
             f'workers must be "local" (DataLoader processes) or wdsvlm.RayWorkers(...), '
             f"not {workers!r}"
+        )
+
+
+def check_ranks(config: Any, settings: Any) -> None:
+    """At each iteration of a Loader: the rank and world size it read from the environment when
+    it was built must agree with ``torch.distributed``'s now (a Loader built before
+    ``init_process_group`` in a launcher that sets no ``RANK`` believes it is rank 0 of 1,
+    and every rank would read the whole dataset). Those given as ``rank=`` and
+    ``world_size=`` are the user's (a data-parallel group's, say): not checked."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    here = (config.rank, config.world_size)
+    there = (dist.get_rank(), dist.get_world_size())
+    read = (settings.rank is None, settings.world_size is None)
+    if any(r and a != b for r, a, b in zip(read, here, there, strict=True)):
+        raise WdsvlmError(
+            f"this Loader was built as rank {here[0]} of {here[1]} (read from the "
+            "environment when it was built), but torch.distributed says this process is "
+            f"rank {there[0]} of {there[1]}: each rank would read the wrong share of the "
+            "data. Build the Loader after init_process_group, or pass it rank= and "
+            "world_size="
         )
