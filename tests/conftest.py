@@ -404,17 +404,6 @@ def gcs_bucket(gcs_server):
     return f"gs://{bucket}", options
 
 
-@pytest.fixture(autouse=True)
-def _free_video_containers(request):
-    """PyAV containers (transformers' load_video's, the test videos' writers) refer to their
-    streams and back, so the garbage collector frees them, with FFmpeg's threads; a DataLoader
-    worker forked before then (``multiprocessing_context="fork"``) would hang freeing them in
-    the child. Free them after each test that makes or reads videos."""
-    yield
-    if "video" in request.module.__name__ or "videos" in request.fixturenames:
-        gc.collect()
-
-
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory):
     """Each test video of ``wdsvlm.testing.videos.SPECS`` by name: its spec, its bytes and a
