@@ -19,15 +19,9 @@ import pytest
 
 import wdsvlm
 from wdsvlm.errors import BadInputError
+from wdsvlm.format.containers import DEMUXERS, VideoTooLarge
 from wdsvlm.format.members import VIDEO_EXTENSIONS
-from wdsvlm.format.videos import (
-    DEMUXERS,
-    FRAMES,
-    UnreadableVideo,
-    VideoTooLarge,
-    decode_frames,
-    probe_video,
-)
+from wdsvlm.format.videos import FRAMES, UnreadableVideo, decode_frames, probe_video
 from wdsvlm.testing.qwen import qwen_processor
 from wdsvlm.testing.videos import SPECS, VideoSpec, make_video, scripts, stated_size
 
@@ -205,7 +199,7 @@ def decoder_threads() -> int:
         try:
             with open(f"/proc/self/task/{task}/comm") as f:
                 count += f.read().startswith("av:")
-        except FileNotFoundError:  # ended meanwhile
+        except (FileNotFoundError, ProcessLookupError):  # ended meanwhile
             pass
     return count
 

@@ -2,12 +2,8 @@
 frames a sample needs. No torch: the writer uses this module. PyAV (``pip install av``, FFmpeg
 bundled) reads them from bytes.
 
-The bytes are untrusted. FFmpeg never guesses their format: they are opened with the demuxer
-their member's extension names (``DEMUXERS``, an allow-list), and FFmpeg may open nothing
-else (no file, no URL: a playlist or a concat script cannot reach past the bytes given). A
-video whose frames and size as its headers state them pass ``max_pixels`` (frames x width x
-height) or whose frame passes Pillow's bound for one image is refused before a frame is
-decoded (``VideoTooLarge``).
+The bytes are untrusted: ``format.containers`` opens them (by their extension's demuxer,
+nothing beside them, their size checked before a frame is decoded).
 
 What the index records (``probe_video``) is what planning needs without decoding: the frame
 count (the frames a sequential decode gives: the packets the decoder keeps, those an edit
@@ -32,6 +28,16 @@ from typing import Any
 
 import numpy as np
 
+from .containers import (
+    MAX_VIDEO_PIXELS,
+    VIDEO_THREADS,
+    UnreadableVideo,
+    av_module,
+    check_pixels,
+    header_size,
+    open_container,
+    open_unnamed,
+)
 from .images import UnreadableImage, decode_pixels, image_size
 from .members import FRAMES, VIDEO, VIDEO_EXTENSIONS, read_members  # noqa: F401 (shards.py's)
 from .tarball import HashingTarWriter, tar_members
@@ -41,42 +47,6 @@ def video_members(sample: dict) -> list[str]:
     """The sample's video member names (``1.mp4``, ...), in video order, by the one rule of
     ``format.members``."""
     return read_members(sample, VIDEO)
-
-
-class UnreadableVideo(ValueError):
-    """The bytes are not a video PyAV can demux and decode: truncated, no video stream, a
-    codec FFmpeg cannot decode, no frames, a container outside ``DEMUXERS``."""
-
-
-class VideoTooLarge(UnreadableVideo):
-    """The video's headers state more pixels than the bound allows (``max_pixels`` for the
-    whole video, Pillow's for one frame): refused before a frame is decoded."""
-
-
-# The demuxer each stored extension is opened with. Nothing else is opened: FFmpeg's other
-# demuxers read playlists, scripts and image sequences that name files outside the bytes.
-DEMUXERS = {
-    "mp4": "mp4",
-    "mov": "mov",
-    "m4v": "mp4",
-    "mkv": "matroska",
-    "webm": "matroska",
-    "avi": "avi",
-}
-# What bytes without an extension are tried as, in turn, and the extension each is stored as.
-_UNNAMED = (("mp4", "mp4"), ("matroska", "mkv"), ("avi", "avi"))
-# No protocol is allowed: whatever a demuxer would open beside the bytes (an MP4's external
-# data references, ...) is refused. The list names no protocol FFmpeg has.
-_CONTAINER_OPTIONS = {"protocol_whitelist": "none"}
-# Opening a container decodes a few frames to learn what its headers leave open (H.264's
-# frame delay): none is decoded before its size is checked (a forged 16000x16000 header cost
-# 715 MB just to open). The decoder that reads the frames later is another, without it.
-_STREAM_OPTIONS = {"skip_frame": "all"}
-# frames x width x height a video may state: a 4K clip (3840x2160) of 30 s at 60 fps is
-# 1.5e10, an hour of 720p at 30 fps 1.0e11.
-MAX_VIDEO_PIXELS = 10**11
-# FFmpeg's decode threads for one video: one per worker, which already has a core of its own.
-VIDEO_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -104,76 +74,6 @@ class VideoInfo:
         return cls(**{**meta, "keyframes": tuple(tuple(k) for k in meta["keyframes"])})
 
 
-def _av() -> Any:
-    try:
-        import av
-    except ImportError as e:  # pragma: no cover - the test environment has it
-        raise ImportError("video needs PyAV: pip install 'wdsvlm[video]' (or av)") from e
-    return av
-
-
-def _open(data: bytes, ext: str) -> Any:
-    """The container of ``data`` stored as ``ext``, opened with that extension's demuxer."""
-    av = _av()
-    demuxer = DEMUXERS.get(ext)
-    if demuxer is None:
-        raise UnreadableVideo(f"stored as .{ext}: videos are opened only as {', '.join(DEMUXERS)}")
-    try:
-        container = av.open(
-            io.BytesIO(data),
-            mode="r",
-            format=demuxer,
-            options=_STREAM_OPTIONS,
-            container_options=_CONTAINER_OPTIONS,
-        )
-    except (av.FFmpegError, ValueError) as e:
-        reason = getattr(e, "strerror", None) or e
-        raise UnreadableVideo(f"not a .{ext} video FFmpeg can open ({reason})") from e
-    if not container.streams.video:
-        container.close()
-        raise UnreadableVideo("no video stream")
-    return container
-
-
-def _open_unnamed(data: bytes) -> tuple[Any, str]:
-    """The container of bytes that come without an extension, and the extension to store them
-    as: the first of ``_UNNAMED`` whose demuxer opens them."""
-    reasons = []
-    for demuxer, ext in _UNNAMED:
-        try:
-            return _open(data, ext), ext
-        except UnreadableVideo as e:
-            reasons.append(f"{demuxer}: {e}")
-    raise UnreadableVideo(f"not a video of the containers wdsvlm opens ({'; '.join(reasons)})")
-
-
-def check_pixels(frames: int, width: int, height: int, max_pixels: int) -> None:
-    """Refuse (``VideoTooLarge``) a video of ``frames`` of ``width`` x ``height`` over
-    ``max_pixels`` in all, or whose frame is over Pillow's bound for one image (twice
-    ``PIL.Image.MAX_IMAGE_PIXELS``, where Pillow refuses an image as a decompression bomb)."""
-    from PIL import Image
-
-    if Image.MAX_IMAGE_PIXELS and width * height > 2 * Image.MAX_IMAGE_PIXELS:
-        raise VideoTooLarge(
-            f"its frames are {width}x{height}, over Pillow's bound for one image "
-            f"({2 * Image.MAX_IMAGE_PIXELS} pixels, PIL.Image.MAX_IMAGE_PIXELS x 2)"
-        )
-    if frames * width * height > max_pixels:
-        raise VideoTooLarge(
-            f"{frames} frames of {width}x{height} are {frames * width * height} pixels, over "
-            f"max_video_pixels ({max_pixels})"
-        )
-
-
-def _header_size(container: Any) -> tuple[int, int, int]:
-    """``(frames, width, height)`` of the first video stream as its headers state them."""
-    stream = container.streams.video[0]
-    context = stream.codec_context
-    width = max(int(stream.width or 0), int(getattr(context, "width", 0) or 0))
-    height = max(int(stream.height or 0), int(getattr(context, "height", 0) or 0))
-    return int(stream.frames or 0), width, height
-
-
 def probe_video(
     data: bytes, ext: str | None = None, max_pixels: int = MAX_VIDEO_PIXELS
 ) -> VideoInfo:
@@ -181,8 +81,8 @@ def probe_video(
     extension, tried as ``_UNNAMED`` in turn); refused (``UnreadableVideo``) unless it opens
     with its extension's demuxer, every packet demuxes, its first frame decodes and it keeps
     within ``max_pixels`` (``check_pixels``, from its headers before a frame is decoded)."""
-    av = _av()
-    container, ext = _open_unnamed(data) if ext is None else (_open(data, ext), ext)
+    av = av_module()
+    container, ext = open_unnamed(data) if ext is None else (open_container(data, ext), ext)
     with container:  # closed on every path, so no FFmpeg thread outlives the probe
         try:
             return _probe(av, container, ext, max_pixels)
@@ -194,7 +94,7 @@ def _probe(av: Any, container: Any, ext: str, max_pixels: int) -> VideoInfo:
     stream = container.streams.video[0]
     if stream.codec_context is None or stream.codec_context.name is None:
         raise UnreadableVideo("a video stream with no codec FFmpeg can decode")
-    stated, width, height = _header_size(container)
+    stated, width, height = header_size(container)
     check_pixels(stated, width, height, max_pixels)
     rate = stream.average_rate
     shown: list[int] = []  # the times of the frames a sequential decode gives
@@ -343,12 +243,12 @@ def decode_frames(
     check_pixels(info.frames, info.width, info.height, max_pixels)
     if info.ext == FRAMES:
         return _stored_frames(data, [int(i) for i in indices], info)
-    av = _av()
+    av = av_module()
     rows: dict[int, list[int]] = {}  # the rows of the output each frame goes to
     for row, i in enumerate(indices):
         rows.setdefault(int(i), []).append(row)
-    with _open(data, info.ext) as container:  # closed on every path, its threads with it
-        stated, width, height = _header_size(container)
+    with open_container(data, info.ext) as container:  # closed on every path, its threads with it
+        stated, width, height = header_size(container)
         check_pixels(max(stated, info.frames), width, height, max_pixels)
         if (width, height) != (info.width, info.height):
             raise UnreadableVideo(

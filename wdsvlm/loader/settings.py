@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..format.videos import MAX_VIDEO_PIXELS, VIDEO_THREADS
+from ..format.containers import MAX_VIDEO_PIXELS, VIDEO_THREADS
 from ..pipeline.order import SPAN_BYTES, SPAN_SAMPLES
 from ..pipeline.plan import PLAN_VERSION, check_version
 from ..storage.fs import ReadPolicy

@@ -17,16 +17,9 @@ import torch
 
 from ..families.base import Family
 from ..families.tiling import ImageConfig, TilingFamily
+from ..format.containers import MAX_VIDEO_PIXELS, VIDEO_THREADS, VideoTooLarge
 from ..format.images import UnreadableImage
-from ..format.videos import (
-    MAX_VIDEO_PIXELS,
-    VIDEO_THREADS,
-    UnreadableVideo,
-    VideoInfo,
-    VideoTooLarge,
-    decode_frames,
-    video_members,
-)
+from ..format.videos import UnreadableVideo, VideoInfo, decode_frames, video_members
 from .images import uint8_tiles
 from .memory import private_uint8, shared_uint8
 from .stats import SkipStats, sample_name

@@ -18,16 +18,15 @@ from typing import Any
 
 from ..errors import InputError, StorageError
 from ..format.builder import publish_sidecar, sample_entry
+from ..format.containers import MAX_VIDEO_PIXELS, check_pixels
 from ..format.conversation import media_order
 from ..format.images import UnreadableImage, probe_image, stored_bytes
 from ..format.index import sample_key, shard_name
 from ..format.members import media_name
 from ..format.tarball import HashingTarWriter, member_bytes, tar_bytes
 from ..format.videos import (
-    MAX_VIDEO_PIXELS,
     VIDEO_EXTENSIONS,
     UnreadableVideo,
-    check_pixels,
     frames_info,
     frames_meta,
     frames_video,

@@ -32,9 +32,9 @@ from ..format.builder import (
     root_index,
     stops,
 )
+from ..format.containers import MAX_VIDEO_PIXELS
 from ..format.index import INDEX_NAME, SKIPPED_NAME
 from ..format.tarball import BLOCK
-from ..format.videos import MAX_VIDEO_PIXELS
 from ..progress import progress
 from ..storage.fs import exists, join, list_names, remove
 from .inputs import FORMATS, expand_inputs
