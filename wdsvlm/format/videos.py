@@ -54,14 +54,15 @@ class VideoInfo:
     """What the index records of one video."""
 
     ext: str
-    frames: int  # as the container states it (transformers' total_num_frames)
+    frames: int  # as a sequential decode gives them (the processor samples from it)
     fps: float  # the container's average frame rate
     duration: float  # seconds, frames / fps as load_video computes it
     width: int  # as stored (before rotation)
     height: int
     rotation: int  # degrees counter-clockwise to display it (0, 90, 180, 270)
     codec: str
-    # (frame index, presentation time in the stream's time base) of each keyframe, in order
+    # of each keyframe, in order: (the number of the first frame shown from it on, its
+    # presentation time in the stream's time base)
     keyframes: tuple[tuple[int, int], ...]
 
     def as_dict(self) -> dict:
