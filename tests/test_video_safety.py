@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import faulthandler
 import gc
+import io
 import os
 import signal
 import sys
@@ -293,3 +294,48 @@ def test_a_process_forked_after_videos_were_read_or_refused_collects_its_garbage
         assert child.exitcode == 0
     finally:
         gc.enable()
+
+
+def encoded(fmt: str, codec: str) -> bytes:
+    """12 frames of ``SPECS[1]`` in container ``fmt`` (FFmpeg's muxer name), as ``codec``."""
+    import av
+
+    from wdsvlm.testing.videos import frame_pixels
+
+    spec, out = SPECS[1], io.BytesIO()
+    with av.open(out, "w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=25)
+        stream.width, stream.height, stream.pix_fmt = spec.width, spec.height, "yuv420p"
+        for i in range(12):
+            frame = av.VideoFrame.from_ndarray(
+                frame_pixels(i, spec.width, spec.height), format="rgb24"
+            )
+            frame.pts = i
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "ext, fmt, codec, unnamed",
+    [
+        ("mov", "mov", "libx264", "mp4"),
+        ("m4v", "mp4", "libx264", "mp4"),
+        ("mkv", "matroska", "libx264", "mkv"),
+        ("webm", "webm", "libvpx-vp9", "mkv"),
+        ("avi", "avi", "mpeg4", "avi"),
+    ],
+)
+def test_each_allowed_container_opens_as_its_extension_names_it_and_no_other(
+    ext, fmt, codec, unnamed
+):
+    data = encoded(fmt, codec)
+    info = probe_video(data, ext)
+    assert (info.ext, info.frames) == (ext, 12)
+    assert decode_frames(data, [0, 11], info).shape == (2, 120, 160, 3)
+    assert probe_video(data).ext == unnamed  # bytes without a name: stored as what opened them
+    other = "avi" if DEMUXERS[ext] != "avi" else "mkv"
+    with pytest.raises(UnreadableVideo, match=f"not a .{other} video FFmpeg can open"):
+        probe_video(data, other)  # named as another container than its bytes hold
