@@ -3,11 +3,9 @@ the same exact length on every rank, empty rows where a rank has run out, no car
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import threading
 import types
 
 import pytest
@@ -17,7 +15,7 @@ import wdsvlm
 from wdsvlm.hf import evaluation_loss
 from wdsvlm.pipeline.collate import Collate
 from wdsvlm.storage.fs import ReadPolicy
-from wdsvlm.testing.stores import RangeServer
+from wdsvlm.testing.stores import RangeServer, serving
 from wdsvlm.write.writer import write_dataset
 
 from .conftest import EXAMPLE, write_jsonl
@@ -208,17 +206,8 @@ class FaultyStore(RangeServer):
         return sum(n for name, n in self.served_by_name.items() if name.endswith(".tar"))
 
 
-@contextlib.contextmanager
 def faulty_store(folder: str):
-    server = FaultyStore(folder)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        thread.join(timeout=10)
-        server.server_close()
+    return serving(FaultyStore(folder))
 
 
 def _evaluate_through_its_store(rank, job):

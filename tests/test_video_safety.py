@@ -339,3 +339,20 @@ def test_each_allowed_container_opens_as_its_extension_names_it_and_no_other(
     other = "avi" if DEMUXERS[ext] != "avi" else "mkv"
     with pytest.raises(UnreadableVideo, match=f"not a .{other} video FFmpeg can open"):
         probe_video(data, other)  # named as another container than its bytes hold
+
+
+def test_wdsvlm_index_refuses_a_video_over_its_max_video_pixels_by_sample(tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "clip.mp4").write_bytes(make_video(SMALL))  # 12 frames of 64x64: 49,152 pixels
+    convo = [{"from": "human", "value": "<video> what?"}, {"from": "gpt", "value": "A bar."}]
+    records = [{"id": f"v{i}", "video": "clip.mp4", "conversations": convo} for i in range(3)]
+    data = str(tmp_path / "out")
+    wdsvlm.write_dataset(write_jsonl(str(folder / "in.jsonl"), records), data, progress=False)
+    index = wdsvlm.index_tars
+    taken = index(data, output=str(tmp_path / "a"), show_progress=False, max_video_pixels=49_152)
+    assert (taken.samples, taken.skipped) == (3, {})
+    with pytest.raises(
+        BadInputError, match=r"000000002: video 0.mp4: .* max_video_pixels \(49151\)"
+    ):
+        index(data, output=str(tmp_path / "b"), show_progress=False, max_video_pixels=49_151)

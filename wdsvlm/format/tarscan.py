@@ -22,6 +22,7 @@ from typing import Any
 from ..errors import InputError, ShardFormatError, StorageError
 from ..storage.fs import filesystem
 from .builder import sample_entry
+from .containers import MAX_VIDEO_PIXELS
 from .conversation import check_markers
 from .images import UnreadableImage, image_size
 from .index import FORMAT
@@ -103,9 +104,12 @@ def first_samples(url: str, count: int, storage_options=None) -> Iterator[dict[s
         raise ShardFormatError(f"{url}: not a tar file ({e})") from None
 
 
-def scan_tar(url: str, layout: Layout, storage_options=None) -> dict:
+def scan_tar(
+    url: str, layout: Layout, storage_options=None, max_video_pixels: int = MAX_VIDEO_PIXELS
+) -> dict:
     """Read one tar once: its samples' index ``entries``, its ``bad`` samples (an
-    ``InputError`` each), its ``bytes`` and ``sha256``."""
+    ``InputError`` each; a video over ``max_video_pixels`` is one), its ``bytes`` and
+    ``sha256``."""
     fs, path = filesystem(url, storage_options)
     shard = url.rsplit("/", 1)[-1]
     seen: set[str] = set()
@@ -137,7 +141,7 @@ def scan_tar(url: str, layout: Layout, storage_options=None) -> dict:
                     outcomes.append(bad_sample(key, "bad_member", message))
                     continue
                 try:
-                    images, chars, videos = _contents(key, members, layout)
+                    images, chars, videos = _contents(key, members, layout, max_video_pixels)
                 except BadSample as e:
                     outcomes.append(bad_sample(key, e.reason, str(e)))
                     continue
@@ -168,7 +172,9 @@ def scan_tar(url: str, layout: Layout, storage_options=None) -> dict:
     }
 
 
-def _contents(key: str, members: Mapping[str, bytes], layout: Layout) -> tuple[list, list, list]:
+def _contents(
+    key: str, members: Mapping[str, bytes], layout: Layout, max_video_pixels: int
+) -> tuple[list, list, list]:
     """A sample's images' displayed sizes, its turns' characters and what the index records
     of its videos, from its members."""
     media = media_members(members)  # the reader's rule: bare (KEY.mp4) or numbered (KEY.0.mp4)
@@ -198,7 +204,7 @@ def _contents(key: str, members: Mapping[str, bytes], layout: Layout) -> tuple[l
             probe = (
                 probe_frames(members[suffix])
                 if ext == FRAMES
-                else probe_video(members[suffix], ext)
+                else probe_video(members[suffix], ext, max_video_pixels)
             )
             infos.append(probe.as_dict())
         except UnreadableVideo as e:

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 
 class RangeServer(http.server.ThreadingHTTPServer):
@@ -87,10 +88,15 @@ class _Ranges(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-@contextlib.contextmanager
-def range_server(folder: str, delay: float = 0.0) -> Iterator[RangeServer]:
+def range_server(folder: str, delay: float = 0.0) -> contextlib.AbstractContextManager:
     """A ``RangeServer`` of ``folder`` on 127.0.0.1, in a thread, for the ``with`` block."""
-    server = RangeServer(folder, delay)
+    return serving(RangeServer(folder, delay))
+
+
+@contextlib.contextmanager
+def serving(server: Any) -> Iterator[Any]:
+    """``server`` (a ``socketserver`` server) answering from a thread for the ``with`` block,
+    then shut down and closed."""
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

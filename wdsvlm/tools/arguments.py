@@ -42,6 +42,16 @@ def index_version(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def max_video_pixels(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-video-pixels",
+        type=int,
+        metavar="N",
+        help="refuse a video of more frames x width x height (default 100000000000: an hour "
+        "of 720p at 30 fps; a 30 s 4K clip at 60 fps is 1.5e10)",
+    )
+
+
 def common_options(parser: argparse.ArgumentParser) -> None:
     loudness = parser.add_mutually_exclusive_group()
     loudness.add_argument("-v", "--verbose", action="store_true", help="log more, show tracebacks")
@@ -121,13 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip bad records (counted, listed in skipped.jsonl) instead of stopping",
     )
     write.add_argument("--overwrite", action="store_true", help="replace a dataset at the output")
-    write.add_argument(
-        "--max-video-pixels",
-        type=int,
-        metavar="N",
-        help="refuse a video of more frames x width x height (default 100000000000: an hour "
-        "of 720p at 30 fps; a 30 s 4K clip at 60 fps is 1.5e10)",
-    )
+    max_video_pixels(write)
     index_version(write)
     write.add_argument(
         "--engine",
@@ -200,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="index the good samples, count and list the bad in index-skipped.jsonl",
     )
     index.add_argument("--overwrite", action="store_true", help="replace an index at the output")
+    max_video_pixels(index)
     index_version(index)
     index.add_argument(
         "--merge",

@@ -102,6 +102,7 @@ def index(args: argparse.Namespace) -> None:
             storage_options=args.storage_options,
             show_progress=not args.quiet,
             index_version=args.index_version,
+            **({"max_video_pixels": args.max_video_pixels} if args.max_video_pixels else {}),
         )
         print(summary)
         return

@@ -35,6 +35,7 @@ from ..format.builder import (
     root_index,
     stops,
 )
+from ..format.containers import MAX_VIDEO_PIXELS
 from ..format.index import INDEX_NAME, INDEX_SKIPPED_NAME
 from ..format.layouts import LAYOUTS, Layout, detect
 from ..format.tarscan import first_samples, scan_tar
@@ -107,11 +108,14 @@ def index_tars(
     storage_options: Mapping[str, Any] | None = None,
     show_progress: bool = True,
     index_version: int = 3,
+    max_video_pixels: int = MAX_VIDEO_PIXELS,
 ) -> IndexSummary:
     """Index the WebDataset tars of ``source`` (a folder or URL prefix, a brace pattern or a
     list of tar URLs) where they are, or into ``output``; see the module. ``format`` is a
     layout of ``layouts.LAYOUTS`` or ``auto``; ``prompts`` and ``prompt_seed`` set the
-    captions layout's prompts; ``index_version`` 3 (default) or 2, as ``write_dataset``."""
+    captions layout's prompts; ``index_version`` 3 (default) or 2, as ``write_dataset``;
+    ``max_video_pixels``: a video stating more frames x width x height is a bad sample
+    (``unreadable_video``)."""
     if index_version not in (2, 3):
         raise ValueError(f"index_version must be 2 or 3, not {index_version!r}")
     if format not in ("auto", *LAYOUTS):
@@ -135,7 +139,13 @@ def index_tars(
     settings = {"prompts": tuple(prompts)} if prompts else {}
     layout = Layout(name, seed=prompt_seed, **settings)
     names = [u[len(folder) + 1 :] if u.startswith(folder + "/") else u for u in urls]
-    scan = partial(_scan_and_publish, layout=layout, output=output, options=storage_options)
+    scan = partial(
+        _scan_and_publish,
+        layout=layout,
+        output=output,
+        options=storage_options,
+        max_video_pixels=max_video_pixels,
+    )
     with process_pool(min(workers, len(urls))) as pool:
         jobs = zip(urls, names, strict=True)
         mapped = map(scan, jobs) if pool is None else pool.imap(scan, jobs)
@@ -183,11 +193,13 @@ def index_tars(
     )
 
 
-def _scan_and_publish(job: tuple[str, str], layout: Layout, output: str, options) -> tuple:
+def _scan_and_publish(
+    job: tuple[str, str], layout: Layout, output: str, options, max_video_pixels: int
+) -> tuple:
     """Scan one tar and publish its sidecar; return its root-index entry, its totals and its
     bad samples."""
     url, name = job
-    scanned = scan_tar(url, layout, options)
+    scanned = scan_tar(url, layout, options, max_video_pixels)
     entries = scanned["entries"]
     totals = Totals()
     for e in entries:

@@ -73,8 +73,9 @@ class WriteOptions:
     """Frames x width x height a video may have, as its headers state them (over it, or a frame
     over Pillow's bound for one image, the record is refused as ``unreadable_video``)."""
     index_version: int = 3
-    """The layout of the root index: 3 (the shards in a binary table, ``index.shards``), or 2
-    (every shard in ``index.json``, for readers of a wdsvlm before version 3)."""
+    """The layout of the root index: 3 (the shards in a binary table,
+    ``index-<digest>.shards``), or 2 (every shard in ``index.json``, for readers of a wdsvlm
+    before version 3)."""
 
     def __post_init__(self):
         if self.format not in FORMATS:
