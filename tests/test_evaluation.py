@@ -288,3 +288,36 @@ def test_without_a_process_group_a_shard_unread_while_counting_is_refused_or_bou
         store.failing = set()
         keys = [k for batch in one for row in batch["sample_keys"] for k in row]
     assert sorted(keys) == sorted(index_order())
+
+
+def test_a_state_saved_before_the_length_was_counted_resumes_to_the_whole_pass():
+    """``state_dict()`` of an evaluation loader taken before its first ``len()`` or
+    iteration records the counted length: loaded back (this rank's state, or all ranks'
+    states on another topology) the loader yields the whole pass, not zero batches."""
+    whole = wdsvlm.Loader(EXAMPLE, TOKENIZER, **OPTIONS)
+    length = len(whole)
+    state = wdsvlm.Loader(EXAMPLE, TOKENIZER, **OPTIONS).state_dict()
+    assert state["config"]["batches_per_epoch"] == length
+    again = wdsvlm.Loader(EXAMPLE, TOKENIZER, **OPTIONS)
+    again.load_state_dict(state)
+    assert len(again) == length
+    keys = [k for batch in again for row in batch["sample_keys"] for k in row]
+    assert sorted(keys) == sorted(index_order())
+    states = [
+        wdsvlm.Loader(EXAMPLE, TOKENIZER, rank=rank, world_size=2, **OPTIONS).state_dict()
+        for rank in range(2)
+    ]
+    elsewhere = wdsvlm.Loader(EXAMPLE, TOKENIZER, **OPTIONS)
+    elsewhere.load_state_dict(states)
+    assert len(elsewhere) == length
+    keys = [k for batch in elsewhere for row in batch["sample_keys"] for k in row]
+    assert sorted(keys) == sorted(index_order())
+    # states already saved uncounted (a length of 0) resume to the counted length too
+    uncounted = [{**s, "config": {**s["config"], "batches_per_epoch": 0}} for s in states]
+    for saved in (uncounted[0], uncounted):
+        loader = wdsvlm.Loader(EXAMPLE, TOKENIZER, rank=0, world_size=2, **OPTIONS)
+        loader.load_state_dict(saved)
+        assert len(loader) == len(list(loader)) > 0
+    elsewhere = wdsvlm.Loader(EXAMPLE, TOKENIZER, **OPTIONS)
+    elsewhere.load_state_dict(uncounted)
+    assert len(elsewhere) == len(list(elsewhere)) == length

@@ -188,8 +188,9 @@ class Loader:
     def __len__(self) -> int:
         """Batches per epoch, the same on every rank: ``batches_per_epoch``, else an
         estimate of what one pass packs into (see ``sizing.estimate_batches``), rounded up to a
-        multiple of ``num_workers``. An evaluation loader's is exact, counted at the first call
-        or iteration (``evaluation.py``)."""
+        multiple of ``num_workers``. An evaluation loader's is exact, counted at the first call,
+        iteration or ``state_dict()`` (``evaluation.py``): under ``torch.distributed`` that
+        first count is a collective call, so every rank must make it, or none."""
         return self._batches_per_epoch
 
     def __iter__(self) -> Iterator[dict]:
@@ -346,7 +347,9 @@ class Loader:
     def state_dict(self) -> dict:
         """Where this rank's loader stands: the epoch, the batches of it taken so far, and
         each worker's stream position (places of samples, no sample bytes). Save it with the
-        model checkpoint, one per rank."""
+        model checkpoint, one per rank. An evaluation loader's length is counted first, if it
+        was not yet (a collective call under ``torch.distributed``: every rank saves alike)."""
+        self._batches_per_epoch  # noqa: B018 - the state records the counted length
         state = LoaderState(
             self._epoch,
             self._done,

@@ -89,7 +89,7 @@ def checked_point(
             "instead (for example gathered on rank 0 with all_gather_object when saving)"
         )
     check_resume(state.config, config)
-    saved_length = state.config["batches_per_epoch"]
+    saved_length = state.config["batches_per_epoch"] or batches_per_epoch  # 0: not counted
     if saved_length != batches_per_epoch:  # the saved run's epochs go on as they were
         log.info("len(loader) is %d as saved (estimated %d now)", saved_length, batches_per_epoch)
     return ResumePoint(state.epoch, state.done, state.workers, saved_length)
@@ -105,7 +105,8 @@ def elsewhere(
     """The states of all ranks of a run, resumed on ``worker_config``, another topology: the
     epoch keeps the share of its batches already taken, at this loader's epoch length."""
     first = states[0]
-    saved_length = first.config["batches_per_epoch"]
+    # 0: an evaluation loader's state saved before its length was counted (it restarts anyway)
+    saved_length = first.config["batches_per_epoch"] or batches_per_epoch
     check_resume(first.config, config)
     workers = remap(
         states,
