@@ -321,3 +321,14 @@ def test_a_state_saved_before_the_length_was_counted_resumes_to_the_whole_pass()
     elsewhere = wdsvlm.Loader(EXAMPLE, TOKENIZER, **OPTIONS)
     elsewhere.load_state_dict(uncounted)
     assert len(elsewhere) == len(list(elsewhere)) == length
+
+
+def test_the_length_is_agreed_on_the_gpu_the_launcher_gave_this_rank(monkeypatch):
+    """NCCL's all_reduce of the length runs on the GPU ``LOCAL_RANK`` names (torchrun sets
+    it), not on ``cuda:0`` for every rank of a script that never called
+    ``torch.cuda.set_device``; gloo's on the CPU."""
+    from wdsvlm.loader.evaluation import collective_device
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert collective_device("nccl") == torch.device("cuda", 3)
+    assert collective_device("gloo") == torch.device("cpu")

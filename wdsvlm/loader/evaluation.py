@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from typing import Any
 
 from ..errors import StorageError, WdsvlmError
@@ -134,9 +135,20 @@ def all_ranks_most(*figures: int) -> list[int]:
     import torch
     import torch.distributed as dist
 
-    device = "cpu"
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    values = torch.tensor(figures, dtype=torch.long, device=device)
+    values = torch.tensor(figures, dtype=torch.long, device=collective_device(dist.get_backend()))
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return values.tolist()
+
+
+def collective_device(backend: str) -> Any:
+    """Where a tensor for a collective call of ``backend`` lies: NCCL's on this process's GPU,
+    the one ``LOCAL_RANK`` names when the launcher (torchrun) set it, so that a script that
+    never called ``torch.cuda.set_device`` does not put every rank on ``cuda:0``; else the
+    current device. Any other backend (gloo): the CPU."""
+    import torch
+
+    if backend != "nccl":
+        return torch.device("cpu")
+    local_rank = os.environ.get("LOCAL_RANK")
+    index = int(local_rank) if local_rank is not None else torch.cuda.current_device()
+    return torch.device("cuda", index)
