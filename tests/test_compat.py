@@ -172,3 +172,34 @@ def test_smolvlms_size_cap_is_its_modules_and_a_version_without_it_fails_the_che
     )
     with pytest.raises(compat.UnsupportedVersionError, match=message):
         SmolVLMFamily(processor)
+
+
+def test_an_install_without_transformers_sources_gets_the_known_video_settings(
+    monkeypatch, fresh_video_check
+):
+    """Where ``preprocess``'s source cannot be read (an install of compiled or zipped
+    modules: ``inspect.getsource`` raises ``OSError``), a supported transformers gets the
+    settings known for its range, not an error saying they moved; outside the range the
+    check still fails, naming the range."""
+
+    from wdsvlm.families.qwen_video import QwenVideo
+    from wdsvlm.testing.qwen import qwen_processor
+
+    read = compat.video_settings_not_sampling()
+    compat.video_settings_not_sampling.cache_clear()
+
+    def no_source(obj):
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr(inspect, "getsource", no_source)
+    assert compat.video_settings_not_sampling() == read == compat.VIDEO_SETTINGS_NOT_SAMPLING
+    video = QwenVideo(qwen_processor("qwen2_vl"), "qwen2_vl")
+    assert video.sampling and not set(read) & set(video.sampling)
+    compat.video_settings_not_sampling.cache_clear()
+    compat.transformers_version.cache_clear()
+    monkeypatch.setattr(transformers, "__version__", "6.0.0")
+    try:
+        with pytest.raises(compat.UnsupportedVersionError, match=r"transformers 6\.0\.0 .*>=5\.24"):
+            compat.video_settings_not_sampling()
+    finally:
+        compat.transformers_version.cache_clear()

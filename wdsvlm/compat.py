@@ -236,17 +236,37 @@ def smolvlm_video_template() -> str:
     )
 
 
+# What ``BaseVideoProcessor.preprocess`` pops before ``sample_frames`` in TRANSFORMERS_RANGE.
+VIDEO_SETTINGS_NOT_SAMPLING = (
+    "input_data_format",
+    "do_convert_rgb",
+    "do_sample_frames",
+    "device",
+    "video_metadata",
+)
+
+
+def _transformers_in_range() -> bool:
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(TRANSFORMERS_RANGE, prereleases=True).contains(transformers_version())
+
+
 @functools.cache
 def video_settings_not_sampling() -> tuple[str, ...]:
     """The settings ``BaseVideoProcessor.preprocess`` pops before it hands the rest to
     ``sample_frames`` (``families/video.py`` hands ``sample_frames`` the same rest), read from
     the source of ``preprocess`` itself: every ``kwargs.pop("...")`` before ``sample_frames``
-    (in 5.24: input_data_format, do_convert_rgb, do_sample_frames, device, video_metadata)."""
+    (in 5.24: ``VIDEO_SETTINGS_NOT_SAMPLING``). An install without transformers' ``.py``
+    sources (compiled or zipped) gets ``VIDEO_SETTINGS_NOT_SAMPLING`` on a version in
+    ``TRANSFORMERS_RANGE``; a readable source that differs fails the check."""
     module = _module("transformers.video_processing_utils")
     preprocess = getattr(getattr(module, "BaseVideoProcessor", None), "preprocess", None)
     try:
         source = inspect.getsource(preprocess) if preprocess is not None else ""
-    except (OSError, TypeError):
+    except (OSError, TypeError):  # no source to read: the version decides
+        if preprocess is not None and _transformers_in_range():
+            return VIDEO_SETTINGS_NOT_SAMPLING
         source = ""
     head, found, _ = source.partition("self.sample_frames")
     popped = tuple(re.findall(r"""kwargs\.pop\(["'](\w+)["']""", head)) if found else ()
