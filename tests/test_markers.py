@@ -172,3 +172,46 @@ def test_a_dataset_written_before_with_literal_tags_loads_them_as_text(tmp_path,
     assert loader.stats()["skipped"] == {}
     assert seen == {"data-000000.tar/000000000", "data-000000.tar/000000001"}
     assert any(ANSWER in t for t in texts) and any("<image> and <video>" in t for t in texts)
+
+
+def _stripping_tokenizer(folder, lstrip: bool, rstrip: bool) -> str:
+    """The example tokenizer with its ``<image>`` token stripping the whitespace beside it
+    (``AddedToken(lstrip=..., rstrip=...)``, as many published tokenizers have it): that
+    token's offsets then take in the spaces and newlines around the marker."""
+    folder.mkdir()
+    with open(os.path.join(TOKENIZER, "tokenizer.json")) as f:
+        spec = json.load(f)
+    (image,) = [t for t in spec["added_tokens"] if t["content"] == "<image>"]
+    image.update(lstrip=lstrip, rstrip=rstrip)
+    with open(folder / "tokenizer.json", "w") as f:
+        json.dump(spec, f)
+    with open(os.path.join(TOKENIZER, "tokenizer_config.json")) as f:
+        (folder / "tokenizer_config.json").write_text(f.read())
+    return str(folder)
+
+
+@pytest.mark.parametrize("lstrip, rstrip", [(True, False), (False, True), (True, True)])
+def test_a_literal_tag_is_text_with_a_tokenizer_whose_image_token_strips_spaces(
+    tmp_path, lstrip, rstrip
+):
+    """Through such a tokenizer a literal ``<image>`` of a text-only sample is tokenized as
+    its text, spaces and newlines kept, and the sample is trained on (not skipped as
+    ``image_count_mismatch``); written and loaded end to end, the same."""
+    folder = _stripping_tokenizer(tmp_path / "tokenizer", lstrip, rstrip)
+    stats = SkipStats()
+    stage = Tokenize(folder, stats=stats)
+    tok = stage.tokenizer
+    question = "Is <image> a tag?\n<image>\nx<image>y " + QUESTION
+    out = list(stage(iter([_sample(_messages(question))])))
+    assert stats.counts == {} and len(out) == 1
+    ids, labels = out[0]["input_ids"], out[0]["labels"]
+    assert stage.image_token_id not in ids
+    assert question in tok.decode(ids)
+    assert tok.decode(ids[labels != IGNORE_INDEX]) == ANSWER + "<|im_end|>"
+    data = _old_dataset(tmp_path / "old")
+    loader = wdsvlm.Loader(data, folder, tile_size=32, max_image_side=64, **SETTINGS)
+    batches = list(loader)
+    keys = [k for batch in batches for row in batch["sample_keys"] for k in row]
+    assert not any((batch["input_ids"] == stage.image_token_id).any() for batch in batches)
+    assert loader.stats()["skipped"] == {}
+    assert set(keys) == {"data-000000.tar/000000000", "data-000000.tar/000000001"}

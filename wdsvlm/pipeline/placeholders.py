@@ -60,23 +60,31 @@ def text_markers(text: str) -> tuple[str, list[tuple[int, int]]]:
 def text_tokens(
     ids: np.ndarray, offsets: np.ndarray, text: str, spans, tokenizer: Any
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``ids`` and their character ``offsets`` in ``text`` with each token that is a whole
-    marker of ``spans`` (the vocabulary's own ``<image>``) replaced by the marker's text
-    tokens (``split_special_tokens``), their offsets within the marker."""
+    """``ids`` and their character ``offsets`` in ``text`` with each token that is the
+    vocabulary's own marker token (``<image>`` is one in many) at a marker of ``spans``
+    replaced by the text tokens of what it covers (``split_special_tokens``), their offsets
+    within it. The token is found by its id and by its offsets overlapping the marker's, not
+    by equal offsets: an added token that strips the whitespace beside it (``lstrip`` /
+    ``rstrip``), or a tokenizer that gives it the space before it, covers more than the
+    marker."""
     out_ids, out_offsets, at = [], [], 0
     for a, b in spans:
-        found = np.flatnonzero((offsets[:, 0] == a) & (offsets[:, 1] == b))
+        marker = marker_token_ids(tokenizer, text[a:b])
+        over = (offsets[:, 0] < b) & (offsets[:, 1] > a) & np.isin(ids, marker)
+        found = np.flatnonzero(over)
+        found = found[found >= at]  # a token already replaced stays replaced
         if not len(found):  # tokenized as text already
             continue
         k = int(found[0])
+        start, end = int(offsets[k, 0]), int(offsets[k, 1])
         piece = tokenizer(
-            text[a:b],
+            text[start:end],
             add_special_tokens=False,
             split_special_tokens=True,
             return_offsets_mapping=True,
         )
         out_ids += [ids[at:k], np.asarray(piece["input_ids"], dtype=np.int64)]
-        moved = np.asarray(piece["offset_mapping"], dtype=np.int64).reshape(-1, 2) + a
+        moved = np.asarray(piece["offset_mapping"], dtype=np.int64).reshape(-1, 2) + start
         out_offsets += [offsets[at:k], moved]
         at = k + 1
     if not out_ids:
@@ -84,6 +92,13 @@ def text_tokens(
     out_ids.append(ids[at:])
     out_offsets.append(offsets[at:])
     return np.concatenate(out_ids).astype(np.int64), np.concatenate(out_offsets).astype(np.int64)
+
+
+def marker_token_ids(tokenizer: Any, marker: str) -> list[int]:
+    """The id the vocabulary has for ``marker`` as a token of its own, if it has one (a piece
+    of the vocabulary that holds the marker and more is not the image token: it stays)."""
+    found = tokenizer.convert_tokens_to_ids(marker)
+    return [] if found is None or found == getattr(tokenizer, "unk_token_id", None) else [found]
 
 
 def expand(
