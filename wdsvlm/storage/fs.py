@@ -281,13 +281,15 @@ def read_range(
 
 def object_size(
     url: str, storage_options: Mapping[str, Any] | None = None, policy: ReadPolicy | None = None
-) -> int:
+) -> int | None:
     """The size of the file or object at ``url`` (one request to a store: a HEAD), asked for
-    again on transient errors as ``read_range`` does; ``ObjectNotFoundError`` if it is not
+    again on transient errors as ``read_range`` does; ``None`` where the store does not say
+    (an HTTP server that sends no ``Content-Length``); ``ObjectNotFoundError`` if it is not
     there."""
     policy = policy or ReadPolicy()
     fs, path = filesystem(url, storage_options)
-    return int(_retrying(url, 0, lambda: fs.size(path), policy, None))
+    size = _retrying(url, 0, lambda: fs.size(path), policy, None)
+    return None if size is None else int(size)
 
 
 def _retrying(url: str, at: int, request, policy: ReadPolicy, cancel: threading.Event | None):
