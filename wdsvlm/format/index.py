@@ -75,7 +75,13 @@ def load_index(source: str, storage_options: Mapping[str, Any] | None = None, po
         for shard in index["shards"]:
             sidecar = join(source, shard["sidecar"]["name"])
             shard["entries"] = LazyEntries(
-                sidecar, shard["samples"], storage_options, policy, shard["sidecar"].get("sha256")
+                sidecar,
+                shard["samples"],
+                storage_options,
+                policy,
+                shard["sidecar"].get("sha256"),
+                shard["sidecar"].get("bytes"),
+                shard["name"],
             )
     return index
 

@@ -19,9 +19,12 @@ for a sample that has any), made when asked for.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -33,6 +36,7 @@ from ..errors import ShardFormatError
 SIDECAR_SUFFIX = ".idx"
 _ARRAYS = ("offset", "size", "key_bytes", "key_end", "image_count", "image_size", "turn_count")
 _CACHED = 256  # sidecars kept per process (least recently used out first)
+_RECHECK = 1.0  # seconds: a LazyEntries stats its cached local sidecar again after that long
 
 
 def sidecar_name(shard_name: str) -> str:
@@ -138,14 +142,25 @@ class Entries(Sequence):
         return (self[i] for i in range(len(self)))
 
 
-_cache: OrderedDict[tuple, Entries] = OrderedDict()  # (url, sha256) -> entries
+_cache: OrderedDict[tuple, tuple[Entries, str | None, tuple | None]] = OrderedDict()
+"""(url, sha256) -> (the entries, the local file's path and ``_stat`` when it was read; None
+for a remote one)."""
 _cache_lock = threading.Lock()
 
 
 class LazyEntries(Sequence):
     """A version-2 shard's entries, read from its sidecar when first asked for (then kept in
     a per-process cache of the last ``_CACHED`` sidecars). Its length is the root index's
-    sample count, known without reading; a pickled copy carries the address, not the data."""
+    sample count, known without reading; a pickled copy carries the address, not the data.
+
+    The sidecar is checked against what the index records of it (``sidecar_bytes``,
+    ``sha256``) when it is read: the bytes read are counted and hashed, once. A sidecar on a
+    local file system that is in the cache is checked again (one ``stat``: its inode, size
+    and modification time) when a ``LazyEntries`` is first used, and again once ``_RECHECK``
+    seconds have passed: a row of a shard table (version 3) makes a new one each time it is
+    asked for (each span of a plan), a version-2 index keeps one per shard. A dataset rewritten
+    in place under a Loader that keeps its sidecars is so found before its new shards are read
+    with the old offsets. ``shard``: the shard's name, for the errors."""
 
     def __init__(
         self,
@@ -154,44 +169,90 @@ class LazyEntries(Sequence):
         storage_options: Mapping[str, Any] | None = None,
         policy: Any = None,
         sha256: str | None = None,
+        sidecar_bytes: int | None = None,
+        shard: str | None = None,
     ):
         self.url = url
         self.samples = samples
         self.sha256 = sha256  # with the URL, the cache key: a rewritten dataset is read anew
+        self.sidecar_bytes = sidecar_bytes
+        self.shard = shard
         self.storage_options = dict(storage_options or {})
         self.policy = policy
+        self._checked = -_RECHECK  # when (time.monotonic) its cached sidecar was last checked
 
     def __len__(self) -> int:
         return self.samples
 
+    def __getstate__(self):
+        return {**self.__dict__, "_checked": -_RECHECK}
+
     def loaded(self) -> Entries:
         key = (self.url, self.sha256)
         with _cache_lock:
-            entries = _cache.get(key)
-            if entries is not None:
+            cached = _cache.get(key)
+            if cached is not None:
                 _cache.move_to_end(key)
+        if cached is not None:
+            entries, path, stat = cached
+            now = time.monotonic()
+            if now - self._checked < _RECHECK or stat is None or _stat(path) == stat:
+                self._checked = now
                 return entries
-        from ..storage.fs import read_bytes
+            with _cache_lock:  # changed on disk since it was read: read and check it again
+                _cache.pop(key, None)
+        from ..storage.fs import filesystem, is_local, read_bytes
 
+        fs, path = filesystem(self.url, self.storage_options)
+        local = is_local(fs)
         try:
+            stat = _stat(path) if local else None
             data = read_bytes(self.url, self.storage_options, self.policy)
         except FileNotFoundError:
             raise ShardFormatError(
                 f"{self.url}: the shard's sidecar is missing (it keeps the shard's sample offsets)"
             ) from None
         entries = Entries(data, self.url)
+        self._check(data)
         if len(entries) != self.samples:
             raise ShardFormatError(
                 f"{self.url}: {len(entries)} samples, but the index says {self.samples}"
             )
+        if local and _stat(path) != stat:
+            stat = None  # replaced while it was read: not kept as checked by its stat
         with _cache_lock:
-            _cache[key] = entries
+            _cache[key] = (entries, path if local else None, stat)
             while len(_cache) > _CACHED:
                 _cache.popitem(last=False)
+        self._checked = time.monotonic()
         return entries
+
+    def _check(self, data: bytes) -> None:
+        """The sidecar read is the one the index records: its size, and its sha256."""
+        size = len(data)
+        digest = hashlib.sha256(data).hexdigest() if self.sha256 else None
+        if (self.sidecar_bytes is None or size == self.sidecar_bytes) and digest == self.sha256:
+            return
+        said = "" if self.sidecar_bytes is None else f"{self.sidecar_bytes} bytes, "
+        raise ShardFormatError(
+            f"shard {self.shard or '?'}: its sidecar {self.url} is {size} bytes, sha256 "
+            f"{(digest or '?')[:12]}..., but the index this Loader read records {said}sha256 "
+            f"{(self.sha256 or '?')[:12]}...: the dataset was rewritten in place since the "
+            "Loader was built (build a new Loader to read it as it is now), or the sidecar "
+            "was changed (`wdsvlm verify`)"
+        )
 
     def __getitem__(self, i):
         return self.loaded()[i]
 
     def __iter__(self) -> Iterator[dict]:
         return iter(self.loaded())
+
+
+def _stat(path: str | None) -> tuple | None:
+    """What tells a local file replaced or rewritten: its inode, size and modification time."""
+    try:
+        s = os.stat(path)
+    except OSError:
+        return None
+    return (s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns)

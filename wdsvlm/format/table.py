@@ -20,7 +20,10 @@ earlier ``index.json`` named removed after it: a dataset rewritten in place neve
 new table under the old ``index.json``. Every open (each DataLoader worker and Ray actor opens
 it again by its path) checks the file's size and row count against what ``index.json`` says
 of it: two numbers, so opening stays O(1) whatever the table's size (``wdsvlm verify`` checks
-its sha256 too, reading it whole).
+its sha256 too, reading it whole). A process that opened the table before a rewrite keeps the
+old map; each row it gives makes its shard's ``LazyEntries`` anew, which checks the shard's
+sidecar against the row's ``sidecar_bytes`` and ``sidecar_sha256`` (``sidecar.LazyEntries``):
+the new shards are not read with the old rows.
 """
 
 from __future__ import annotations
@@ -245,6 +248,8 @@ class ShardTable(Sequence):
                 self.storage_options,
                 self.policy,
                 sidecar["sha256"],
+                sidecar["bytes"],
+                name,
             ),
         }
 
