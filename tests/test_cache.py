@@ -1,12 +1,16 @@
 """The shard cache against a store that counts what it serves (a real HTTP server on
 127.0.0.1, ``testing.stores.RangeServer``): what a pass fetches through the cache at a tenth, a
-half and twice the dataset's size, against the same pass without it; a missing shard; a
-shard that does not match its index."""
+half and twice the dataset's size, against the same pass without it; what each of two nodes
+fetches, each reading half of every shard; two processes reading one shard at once; a missing
+shard; a shard that does not match its index."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import multiprocessing
 import os
+import signal
 import time
 
 import pytest
@@ -20,10 +24,21 @@ from wdsvlm.storage.cache import ShardCache
 from wdsvlm.storage.fs import ReadPolicy
 from wdsvlm.testing.stores import range_server
 
+from .conftest import EXAMPLE
 from .test_storage import counting_store
 
 ONE = WorkerConfig(0, 1, 1)
 QUICK = ReadPolicy(block_bytes=64 * 1024, attempts=3, backoff=0.01, timeout=10)
+TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
+LOADER = {
+    "max_length": 2048,
+    "batch_size": 2,
+    "shuffle_buffer": 20,
+    "pack_window": 20,
+    "span_bytes": 16 * 1024,
+    "read_ahead": 0,  # reads only what the epoch takes: the same bytes with a cache and without
+    "read_policy": QUICK,
+}
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +97,14 @@ def test_a_pass_through_the_cache_fetches_no_more_than_without_it(twelve_shards,
 
 def test_a_missing_shard_is_one_request_and_evicts_nothing(tmp_path):
     with counting_store(str(tmp_path / "store"), [50_000, 50_000, 60_000], 0.0) as (server, blobs):
-        cache = ShardCache(str(tmp_path / "cache"), 100_000)
+        cache = ShardCache(str(tmp_path / "cache"), 101_000)  # two shards and their block maps
         for url, _, size, sha256 in blobs[:2]:  # the cache full of good shards
             assert len(cache.read(url, size, 0, 100, None, QUICK, sha256=sha256)) == 100
         held = sorted(os.listdir(cache.folder))
         gone_url, gone_path, gone_size, gone_sha256 = blobs[2]
         os.remove(gone_path)
-        for bound in (100_000, 10**9):  # full, and with room to spare
+        assert len(held) == 3  # the two shards and the folder's lock
+        for bound in (101_000, 10**9):  # full, and with room to spare
             cache.max_bytes = bound
             asked = server.gets + server.heads
             with pytest.raises(ObjectNotFoundError, match="blob-02.tar"):
@@ -102,12 +118,27 @@ def test_a_shard_that_does_not_match_its_sha256_is_fetched_once_and_named(tmp_pa
         url, _, size, _ = blobs[0]
         wrong = "ab" * 32
         cache = ShardCache(str(tmp_path / "cache"))
-        for start in range(0, 50_000, 5_000):  # ten spans of it
+        for start in range(0, 75_000, 5_120):  # spans of it, all but its last block
+            assert len(cache.read(url, size, start, start + 5_120, None, QUICK, sha256=wrong))
+        # the span that brings its last block: the whole shard checked against its sha256
+        with pytest.raises(StorageError, match=r"blob-00.tar: sha256 .*the index says .*changed"):
+            cache.read(url, size, 75_000, size, None, QUICK, sha256=wrong)
+        for start in range(0, 50_000, 5_000):  # and every later span of it, at once
             with pytest.raises(StorageError, match=r"blob-00.tar: .*the index says .*changed"):
                 cache.read(url, size, start, start + 1000, None, QUICK, sha256=wrong)
         assert server.served == size  # downloaded once, not once a span
         assert list(cache.bad) == [wrong] and "blob-00.tar" in str(cache.bad[wrong])
         assert cache.size() == 0
+
+
+def test_a_shard_of_another_size_than_its_index_says_is_asked_for_once(tmp_path):
+    with counting_store(str(tmp_path / "store"), [80_000], 0.0) as (server, blobs):
+        url, _, _, sha256 = blobs[0]
+        cache = ShardCache(str(tmp_path / "cache"))
+        for start in range(0, 50_000, 5_000):
+            with pytest.raises(StorageError, match=r"blob-00.tar: 80000 bytes; the index says"):
+                cache.read(url, 90_000, start, start + 1000, None, QUICK, sha256=sha256)
+        assert server.heads == 1 and server.served == 0 and cache.size() == 0
 
 
 def test_a_missing_shard_in_a_loader_pass_is_asked_for_once(twelve_shards, tmp_path):
@@ -132,7 +163,7 @@ def test_a_missing_shard_in_a_loader_pass_is_asked_for_once(twelve_shards, tmp_p
 
 def test_only_a_shard_gone_unread_for_idle_seconds_makes_room(tmp_path):
     with counting_store(str(tmp_path / "store"), [50_000, 50_000, 50_000], 0.0) as (_, blobs):
-        cache = ShardCache(str(tmp_path / "cache"), 100_000, idle_seconds=3600)
+        cache = ShardCache(str(tmp_path / "cache"), 101_000, idle_seconds=3600)
         for url, _, size, sha256 in blobs[:2]:
             cache.read(url, size, 0, 100, None, QUICK, sha256=sha256)
         first, second, third = (cache.path(b[3]) for b in blobs)
@@ -143,6 +174,91 @@ def test_only_a_shard_gone_unread_for_idle_seconds_makes_room(tmp_path):
         assert not os.path.exists(third)  # read by ranges: both cached shards are in use
         day_ago = time.time() - 86400
         os.utime(first, (day_ago, day_ago))  # unread for a day
-        other = ShardCache(cache.folder, 100_000, idle_seconds=3600)  # another reader
+        other = ShardCache(cache.folder, 101_000, idle_seconds=3600)  # another reader
         assert other.read(url, size, 10, 20, None, QUICK, sha256=sha256) == data[10:20]
         assert not os.path.exists(first) and os.path.exists(second) and os.path.exists(third)
+
+
+def node_pass(server, cache_dir, rank: int, epoch: int) -> tuple[int, set]:
+    """``(bytes, blocks)`` of tars the store serves while rank ``rank`` of 2 (a node: the only
+    rank of its machine) takes epoch ``epoch`` through a cache in ``cache_dir`` (None: without
+    one): the bytes, and the 512-byte blocks as ``(shard name, block number)``."""
+    loader = wdsvlm.Loader(
+        server.url, TOKENIZER, rank=rank, world_size=2, cache_dir=cache_dir, **LOADER
+    )
+    loader.set_epoch(epoch)
+    batches = len(loader)  # estimated from a few samples, read apart (not through the cache)
+    before, first = tars_served(server), len(server.sent_ranges)
+    assert sum(1 for _ in loader) == batches
+    blocks = {
+        (name, block)
+        for name, start, stop in server.sent_ranges[first:]
+        if name.endswith(".tar")
+        for block in range(start // 512, -(-stop // 512))
+    }
+    return tars_served(server) - before, blocks
+
+
+def test_each_node_fetches_through_its_cache_no_more_than_without_it(twelve_shards, tmp_path):
+    """Two nodes (ranks 0 and 1 of 2, each with its own cache): a pass's chunks of every shard
+    are shared out between them, so each reads part of every shard (a cache of whole shards
+    fetched every shard whole on both: 1.4 to 1.7 times the bytes of reading without it)."""
+    caches = [str(tmp_path / f"node-{rank}") for rank in (0, 1)]
+    with range_server(twelve_shards) as server:
+        without = [node_pass(server, None, rank, 0)[0] for rank in (0, 1)]
+        second_without, second_reads = node_pass(server, None, 0, 1)
+        first_pass = [node_pass(server, caches[rank], rank, 0) for rank in (0, 1)]
+        ratios = [first_pass[rank][0] / without[rank] for rank in (0, 1)]
+        assert max(ratios) <= 1.1, f"{ratios}: times the bytes of reading without a cache"
+        # an epoch on a node reads part of every shard (a pass's chunks shared out by the
+        # nodes, and a part of the next pass's, the packing's own lag)
+        assert max(without) < 0.75 * tar_bytes(twelve_shards)
+        # node 0's second pass fetches only the blocks it reads that its first did not bring
+        cached, fetched = node_pass(server, caches[0], 0, 1)
+        assert fetched == second_reads - first_pass[0][1]
+        assert cached == 512 * len(fetched) < second_without
+        assert node_pass(server, caches[0], 0, 1) == (0, set())  # a repeat of it: nothing
+
+
+def read_blocks_of(folder: str, url: str, size: int, sha256: str, order: int, barrier) -> None:
+    """A reader process: the shard in spans of 4 KiB (as a tar's spans: whole 512-byte
+    records) through a cache in ``folder``, from its first span on or from its last back."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's time limit: stacks
+    cache = ShardCache(folder)
+    starts = list(range(0, size, 4096))
+    barrier.wait(timeout=60)
+    for start in starts if order == 0 else starts[::-1]:
+        assert len(cache.read(url, size, start, start + 4096, None, QUICK, sha256=sha256))
+
+
+@pytest.mark.processes
+def test_two_processes_reading_one_shard_at_once_fetch_each_block_once(tmp_path):
+    folder = str(tmp_path / "cache")
+    with counting_store(str(tmp_path / "store"), [400 * 1024], delay=0.005) as (server, blobs):
+        url, path, size, sha256 = blobs[0]
+        context = multiprocessing.get_context("fork")
+        barrier = context.Barrier(2)
+        readers = [
+            context.Process(target=read_blocks_of, args=(folder, url, size, sha256, i, barrier))
+            for i in (0, 1)
+        ]
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + 120
+        for reader in readers:
+            reader.join(timeout=max(0.0, deadline - time.monotonic()))
+        late = [r.pid for r in readers if r.is_alive()]
+        for pid in late:  # each prints its threads' stacks
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(1 if late else 0)
+        for reader in readers:
+            reader.kill()
+            reader.join(timeout=10)
+        assert not late, f"readers {late} still running after 120 s (their stacks above)"
+        assert [r.exitcode for r in readers] == [0, 0]
+        ranges = sorted((a, b) for _, a, b in server.sent_ranges)
+    assert server.served == size  # every block once
+    overlaps = [(r, s) for r, s in zip(ranges, ranges[1:], strict=False) if s[0] < r[1]]
+    assert not overlaps, f"blocks fetched twice: {overlaps}"
+    with open(path, "rb") as f, open(ShardCache(folder).path(sha256), "rb") as cached:
+        assert cached.read(size) == f.read()

@@ -18,13 +18,15 @@ class RangeServer(http.server.ThreadingHTTPServer):
     ``delay`` seconds late; ``requests`` counts the ranged requests, ``most_at_once`` is the
     most of them it has had in flight at once, ``gets`` and ``heads`` count every GET and HEAD
     (a missing file's too), ``asked_by_name`` both per file name, ``served`` the body bytes the
-    GETs sent, and ``served_by_name`` those bytes per file name."""
+    GETs sent, ``served_by_name`` those bytes per file name, and ``sent_ranges`` each GET's
+    ``(file name, first byte, byte past the last)``."""
 
     def __init__(self, folder: str, delay: float = 0.0):
         self.folder, self.delay = folder, delay
         self.requests = self.most_at_once = self._at_once = 0
         self.gets = self.heads = self.served = 0
         self.served_by_name: dict[str, int] = {}
+        self.sent_ranges: list[tuple[str, int, int]] = []
         self.asked_by_name: dict[str, int] = {}
         self._lock = threading.Lock()
         super().__init__(("127.0.0.1", 0), _Ranges)
@@ -39,8 +41,9 @@ class RangeServer(http.server.ThreadingHTTPServer):
             self.requests += step > 0
             self.most_at_once = max(self.most_at_once, self._at_once)
 
-    def sent(self, name: str, size: int) -> None:
+    def sent(self, name: str, start: int, size: int) -> None:
         with self._lock:
+            self.sent_ranges.append((name, start, start + size))
             self.served += size
             self.served_by_name[name] = self.served_by_name.get(name, 0) + size
 
@@ -81,7 +84,7 @@ class _Ranges(http.server.SimpleHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.server.sent(os.path.basename(path), len(data))
+        self.server.sent(os.path.basename(path), a, len(data))
         self.wfile.write(data)
 
     def log_message(self, *args):
