@@ -11,8 +11,9 @@ A sample whose bytes are cut short (a truncated shard) or do not parse as tar me
 key is skipped and counted. A shard that cannot be read raises ``StorageError`` naming it, or
 with ``on_shard_error="skip"`` has its samples counted as skipped (``unreadable_shard``); a
 shard the store does not have is asked for once a pass, not once a span.
-With a ``cache`` (``cache.ShardCache``), shards are read from local disk once fetched (those
-whose index records a sha256: the cache keys on it, so a rewritten shard is fetched anew).
+With a ``cache`` (``cache.ShardCache``), the bytes of a shard read once are read from local
+disk after (shards whose index records a sha256: the cache keys on it, so a rewritten shard
+is fetched anew); only the blocks not on disk yet are fetched.
 """
 
 from __future__ import annotations
