@@ -141,6 +141,40 @@ def test_a_shard_of_another_size_than_its_index_says_is_asked_for_once(tmp_path)
         assert server.heads == 1 and server.served == 0 and cache.size() == 0
 
 
+def test_a_shard_whose_size_the_store_does_not_state_is_cached_all_the_same(tmp_path):
+    """A HEAD without ``Content-Length`` (``object_size`` is None): the ranges are cached, the
+    shard is checked against its sha256 once whole, and a second read fetches nothing."""
+    with counting_store(str(tmp_path / "store"), [80_000], 0.0) as (server, blobs):
+        url, path, size, sha256 = blobs[0]
+
+        class Unsized(server.RequestHandlerClass):
+            def do_HEAD(self):  # the headers of a file, without its length
+                self.server.asked("HEAD", os.path.basename(self.path))
+                self.send_response(200)
+                self.end_headers()
+
+            def do_GET(self):  # ranges as before; the whole file without its length
+                if self.headers.get("Range"):
+                    return super().do_GET()
+                self.server.asked("GET", os.path.basename(self.path))
+                self.send_response(200)
+                self.end_headers()
+                self.close_connection = True
+
+        server.RequestHandlerClass = Unsized
+        cache = ShardCache(str(tmp_path / "cache"))
+        first = b"".join(
+            cache.read(url, size, a, min(a + 5_120, size), None, QUICK, sha256=sha256)
+            for a in range(0, size, 5_120)
+        )
+        served = server.served
+        again = cache.read(url, size, 0, size, None, QUICK, sha256=sha256)
+        with open(path, "rb") as f:
+            assert first == again == f.read()
+        assert server.served == served and not cache.bad  # the second read: from disk
+        assert served == size  # each byte once, in the reads' ranges
+
+
 def test_a_missing_shard_in_a_loader_pass_is_asked_for_once(twelve_shards, tmp_path):
     """A Loader with a cache and ``on_shard_error="skip"``: the missing shard's samples are
     counted as skipped, the store asked for it once a pass."""

@@ -39,7 +39,7 @@ def launch(args: list[str], store: dict) -> None:
 
 @pytest.mark.processes
 @pytest.mark.timeout(900)
-def test_two_nodes_read_every_sample_once_fetch_each_shard_once_a_node_and_resume_on_one(
+def test_two_nodes_read_every_sample_once_fetch_each_byte_at_most_once_a_node_and_resume_on_one(
     s3_bucket, moto_server, tmp_path
 ):
     import s3fs
@@ -81,9 +81,10 @@ def test_two_nodes_read_every_sample_once_fetch_each_shard_once_a_node_and_resum
     finally:
         for p in proxies:
             p.close()
-    # each shard came from the store once a node: its bytes, once, whatever 4 workers read it
+    # each node fetched the parts of each shard its 4 workers read, each byte at most once
     for rank in (0, 1):
-        assert {path: served[rank].get(path) for path in shards} == shards, f"node {rank}"
+        got = {path: served[rank].get(path, 0) for path in shards}
+        assert all(0 < got[p] <= shards[p] for p in shards), f"node {rank}: {got} of {shards}"
     train = [json.load(open(out / f"train-{r}.json")) for r in range(4)]
     every = sorted(k for k in keys_of_example())
     lengths = {t["len"] for t in train}

@@ -48,10 +48,10 @@ class Loader:
     ``storage_options`` go to fsspec; ``read_policy`` (``wdsvlm.ReadPolicy``) sets the block
     size, retries, backoff and timeout of ranged reads, ``read_ahead`` how many spans each
     worker reads at once, and ``on_shard_error="skip"`` reports an unreadable shard's samples as
-    skipped instead of raising. ``cache_dir`` keeps whole shards on local disk once read (at
-    most ``cache_bytes``, shards being fetched included, least recently used out first; the
-    ranks and workers of one machine can share it, and a shard they need at the same time is
-    fetched once).
+    skipped instead of raising. ``cache_dir`` keeps the ranges of shards read on local disk (at
+    most ``cache_bytes``, counted in whole shards taken in while they fit; the ranks and
+    workers of one machine can share it, and a range they need at the same time is fetched
+    once).
     ``shuffle_buffer`` is in samples, ``shuffle_bytes`` bounds it in bytes; ``pack_window``
     is the packer's window in samples. ``max_tiles_per_batch`` caps every pack at its share,
     ``max_tiles_per_batch // batch_size`` tiles, so that no batch can pass it. rank and world

@@ -68,7 +68,7 @@ def span(
         "source": source,
         "storage_options": storage_options,
     }
-    if shard_bytes is not None:  # a shard cache keeps whole shards of this size and sha256
+    if shard_bytes is not None:  # the shard cache keys on its sha256, sized
         out["shard_bytes"], out["shard_sha256"] = shard_bytes, shard_sha256
     if layout and layout.get("name", "wdsvlm") != "wdsvlm":
         out["layout"] = dict(layout)

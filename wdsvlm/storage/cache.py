@@ -256,9 +256,11 @@ class ShardCache:
 
     def _check_size(self, url, size, sha256, storage_options, policy) -> None:
         """The object is there at the size its index gives (one request), or that is an error:
-        ``ObjectNotFoundError``, or a ``StorageError`` remembered in ``bad``."""
+        ``ObjectNotFoundError``, or a ``StorageError`` remembered in ``bad``. A store that does
+        not state the size (an HTTP server without ``Content-Length``) is taken at the index's
+        word: the sha256 check, once every block is there, still tells a changed shard."""
         found = object_size(url, storage_options, policy)
-        if found != size:
+        if found is not None and found != size:
             self._bad(
                 sha256,
                 f"{url}: {found} bytes; the index says {size} bytes, sha256 {sha256[:12]}...: "
