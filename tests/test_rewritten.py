@@ -84,17 +84,25 @@ def test_a_shard_rewritten_at_the_same_size_is_read_anew_through_the_cache(rewri
     assert {n.removesuffix(".tar") for n in os.listdir(tmp_path / "cache")} >= both
 
 
-def test_a_shard_changed_under_a_readers_index_is_refused_by_the_cache_not_cached(
+def test_a_shard_changed_under_a_readers_index_is_read_as_without_a_cache_and_refused_whole(
     rewritten, tmp_path
 ):
+    """The cache keeps the ranges read as the store serves them (as a read without a cache
+    gets them); once a shard is whole on disk it is checked against its index's sha256, and a
+    shard changed under the index is refused there, named, and removed."""
     folder, rewrite = rewritten
     plan = Plan(folder, worker_config=ONE)
     list(wds.DataPipeline(plan, ReadSamples(read_ahead=0)))  # its index, entries and all
+    old = load_index(folder)["shards"][0]
     rewrite()  # the shards change under the index the plan holds
     cache = ShardCache(str(tmp_path / "cache"))
+    through = [s["json"] for s in wds.DataPipeline(plan, ReadSamples(cache=cache, read_ahead=0))]
+    without = [s["json"] for s in wds.DataPipeline(plan, ReadSamples(read_ahead=0))]
+    assert through == without and b"A YELLOW DISC." in b"".join(through)
+    url, size = os.path.join(folder, old["name"]), old["bytes"]
     with pytest.raises(StorageError, match=r"the index says \d+ bytes, sha256 .*changed since"):
-        list(wds.DataPipeline(plan, ReadSamples(cache=cache, read_ahead=0)))
-    assert cache.size() == 0
+        cache.read(url, size, 0, size, None, None, sha256=old["sha256"])
+    assert not os.path.exists(cache.path(old["sha256"])) and list(cache.bad) == [old["sha256"]]
 
 
 def test_a_shard_whose_index_has_no_sha256_is_read_from_the_store_uncached(rewritten, tmp_path):

@@ -256,9 +256,8 @@ class ShardCache:
 
     def _check_size(self, url, size, sha256, storage_options, policy) -> None:
         """The object is there at the size its index gives (one request), or that is an error:
-        ``ObjectNotFoundError``, or a ``StorageError`` remembered in ``bad``. A store that does
-        not state the size (an HTTP server without ``Content-Length``) is taken at the index's
-        word: the sha256 check, once every block is there, still tells a changed shard."""
+        ``ObjectNotFoundError``, or a ``StorageError`` remembered in ``bad``; a size the store
+        does not state is the index's (the sha256 check of the whole still holds)."""
         found = object_size(url, storage_options, policy)
         if found is not None and found != size:
             self._bad(
