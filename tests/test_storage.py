@@ -26,7 +26,7 @@ from wdsvlm.errors import ObjectNotFoundError
 from wdsvlm.pipeline.order import span
 from wdsvlm.pipeline.read import ReadSamples
 from wdsvlm.storage.fs import ReadPolicy, is_transient, read_range
-from wdsvlm.testing.stores import RangeServer, range_server
+from wdsvlm.testing.stores import RangeServer, range_server, serving
 
 from .conftest import EXAMPLE, run_cli
 from .faults import FaultProxy
@@ -351,15 +351,8 @@ def counting_store(folder: str, sizes: list[int], delay: float):
         with open(path, "wb") as f:
             f.write(data)
         shards.append((f"blob-{i:02d}.tar", path, size, hashlib.sha256(data).hexdigest()))
-    server = RangeServer(folder, delay)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(RangeServer(folder, delay)) as server:
         yield server, [(f"{server.url}/{name}", *rest) for name, *rest in shards]
-    finally:
-        server.shutdown()
-        thread.join(timeout=10)
-        server.server_close()
 
 
 def read_through_cache(folder, bound, shards, passes, seed, barrier) -> None:
@@ -547,7 +540,6 @@ def test_the_size_of_an_object_a_server_does_not_state_is_unknown():
     """An HTTP server that sends no ``Content-Length``: ``object_size`` says it does not
     know (``None``), not a ``TypeError``; a file's size is its size."""
     from wdsvlm.storage.fs import object_size
-    from wdsvlm.testing.stores import serving
 
     with serving(_NoLength(EXAMPLE)) as server:
         assert object_size(f"{server.url}/index.json") is None

@@ -33,6 +33,18 @@ SMALL = VideoSpec("small", Fraction(25), 0.48, 64, 64)  # 12 frames
 SENTINELS = ("secret.mp4", "sub/secret.mp4", "frame0.png", "sub/frame1.png", "sub/segment.ts")
 
 
+def video_dataset(tmp_path, spec: VideoSpec, samples: int) -> str:
+    """A dataset of ``samples`` records asking about one clip of ``spec``: its folder."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "clip.mp4").write_bytes(make_video(spec))
+    convo = [{"from": "human", "value": "<video> what?"}, {"from": "gpt", "value": "A bar."}]
+    records = [{"id": f"v{i}", "video": "clip.mp4", "conversations": convo} for i in range(samples)]
+    data = str(tmp_path / "out")
+    wdsvlm.write_dataset(write_jsonl(str(folder / "in.jsonl"), records), data, progress=False)
+    return data
+
+
 class Sentinels:
     """Named pipes at ``SENTINELS`` under ``folder``, watched: a process that opens one for
     reading blocks until a writer comes, so the watcher sees every opening (none is missed,
@@ -120,13 +132,7 @@ def test_scripts_and_playlists_stored_as_mp4_are_refused_at_write_and_open_no_fi
 def test_scripts_and_playlists_in_place_of_a_video_are_undecodable_at_load_and_open_no_file(
     tmp_path, sentinels
 ):
-    folder = tmp_path / "in"
-    folder.mkdir()
-    (folder / "clip.mp4").write_bytes(make_video(SPECS[0]))
-    convo = [{"from": "human", "value": "<video> what?"}, {"from": "gpt", "value": "A bar."}]
-    records = [{"id": f"v{i}", "video": "clip.mp4", "conversations": convo} for i in range(3)]
-    data = str(tmp_path / "out")
-    wdsvlm.write_dataset(write_jsonl(str(folder / "in.jsonl"), records), data, progress=False)
+    data = video_dataset(tmp_path, SPECS[0], 3)
     # each video member's bytes replaced by a script of the same length: the index says
     # a video of 48 frames, the shard holds a concat script or a playlist stored as KEY.0.mp4
     (shard,) = [n for n in os.listdir(data) if n.endswith(".tar")]
@@ -238,13 +244,7 @@ def test_the_loader_refuses_a_bad_video_setting():
 
 
 def test_a_video_over_max_video_pixels_is_skipped_at_load_as_video_too_large(tmp_path):
-    folder = tmp_path / "in"
-    folder.mkdir()
-    (folder / "clip.mp4").write_bytes(make_video(SPECS[1]))
-    convo = [{"from": "human", "value": "<video> what?"}, {"from": "gpt", "value": "A bar."}]
-    records = [{"id": f"v{i}", "video": "clip.mp4", "conversations": convo} for i in range(2)]
-    data = str(tmp_path / "out")
-    wdsvlm.write_dataset(write_jsonl(str(folder / "in.jsonl"), records), data, progress=False)
+    data = video_dataset(tmp_path, SPECS[1], 2)
     processor = qwen_processor("qwen2_vl")
     for cap, skipped in ((12 * 160 * 120, 0), (12 * 160 * 120 - 1, 2)):
         loader = wdsvlm.Loader(data, processor=processor, max_video_pixels=cap, **SETTINGS)
@@ -253,7 +253,7 @@ def test_a_video_over_max_video_pixels_is_skipped_at_load_as_video_too_large(tmp
         assert skipped or "video_too_large" not in loader.stats()["skipped"]
     with pytest.raises(BadInputError, match="230400 pixels, over max_video_pixels"):
         wdsvlm.write_dataset(
-            str(folder / "in.jsonl"),
+            str(tmp_path / "in" / "in.jsonl"),
             str(tmp_path / "again"),
             progress=False,
             max_video_pixels=12 * 160 * 120 - 1,
@@ -342,13 +342,7 @@ def test_each_allowed_container_opens_as_its_extension_names_it_and_no_other(
 
 
 def test_wdsvlm_index_refuses_a_video_over_its_max_video_pixels_by_sample(tmp_path):
-    folder = tmp_path / "in"
-    folder.mkdir()
-    (folder / "clip.mp4").write_bytes(make_video(SMALL))  # 12 frames of 64x64: 49,152 pixels
-    convo = [{"from": "human", "value": "<video> what?"}, {"from": "gpt", "value": "A bar."}]
-    records = [{"id": f"v{i}", "video": "clip.mp4", "conversations": convo} for i in range(3)]
-    data = str(tmp_path / "out")
-    wdsvlm.write_dataset(write_jsonl(str(folder / "in.jsonl"), records), data, progress=False)
+    data = video_dataset(tmp_path, SMALL, 3)  # 12 frames of 64x64: 49,152 pixels
     index = wdsvlm.index_tars
     taken = index(data, output=str(tmp_path / "a"), show_progress=False, max_video_pixels=49_152)
     assert (taken.samples, taken.skipped) == (3, {})
