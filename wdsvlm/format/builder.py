@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import BadInputError, InputError
 from ..storage.fs import join, list_names, publish_bytes, remove
+from .documents import KINDS
 from .index import (
     FORMAT,
     INDEX_NAME,
@@ -40,10 +41,14 @@ def sample_entry(
     images: Sequence[Sequence[int]],
     chars: Sequence[int],
     videos: Sequence[Mapping[str, Any]] = (),
+    kind: str = "conversation",
+    elements: Sequence[int] = (),
 ) -> dict:
     """A sample's entry: its key, where its members lie in the tar (``offset``, ``size``
-    bytes), its images' displayed ``[width, height]``, its turns' characters and, if it has
-    any, what the index records of its videos (``format.videos.VideoInfo.as_dict``)."""
+    bytes), its images' displayed ``[width, height]``, its turns' characters (a document's or
+    caption's: its texts') and, if it has any, what the index records of its videos
+    (``format.videos.VideoInfo.as_dict``). A document or caption (``kind``) has its ``kind``
+    as a number (``KINDS.index``) and its ``elements`` (``documents.element_numbers``)."""
     entry = {
         "key": key,
         "offset": offset,
@@ -53,6 +58,9 @@ def sample_entry(
     }
     if videos:
         entry["videos"] = [dict(v) for v in videos]
+    if kind != "conversation":
+        entry["kind"] = KINDS.index(kind)
+        entry["elements"] = list(elements)
     return entry
 
 

@@ -10,11 +10,14 @@ bytes back to back), ``image_count`` (int32, per sample) with ``image_size`` (in
 ``[images, 2]``: width, height), ``turn_count`` (int32, per sample) with ``chars`` (int32, per
 turn), and for a shard that holds videos ``video_count`` (int32, per sample) with
 ``video_info`` (the UTF-8 JSON list of what the index records of each video,
-``format.videos.VideoInfo``). It loads in one read and maps into numpy without a Python object
-per sample; numpy is already a dependency, and any language with a zip and ``.npy`` reader can
-read it. A 1000-sample shard's sidecar is about 40 kB. ``Entries`` gives the samples as the
-index entries of version 1 (``{"key", "offset", "size", "images", "chars"}``, and ``videos``
-for a sample that has any), made when asked for.
+``format.videos.VideoInfo``), and for a shard that holds documents or captions ``kind``
+(uint8, per sample, ``documents.KINDS.index``) with ``element_count`` (int32, per sample) and
+``elements`` (int32, per element: a text's characters, ``-1`` for an image). It loads in one
+read and maps into numpy without a Python object per sample; numpy is already a dependency,
+and any language with a zip and ``.npy`` reader can read it. A 1000-sample shard's sidecar is
+about 40 kB. ``Entries`` gives the samples as the index entries of version 1 (``{"key",
+"offset", "size", "images", "chars"}``, ``videos`` for a sample that has any, ``kind`` and
+``elements`` for a document or caption), made when asked for.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..errors import ShardFormatError
 
 SIDECAR_SUFFIX = ".idx"
 _ARRAYS = ("offset", "size", "key_bytes", "key_end", "image_count", "image_size", "turn_count")
+_KIND_ARRAYS = ("kind", "element_count", "elements")  # a shard of documents or captions
 _CACHED = 256  # sidecars kept per process (least recently used out first)
 _RECHECK = 1.0  # seconds: a LazyEntries stats its cached local sidecar again after that long
 
@@ -65,6 +69,14 @@ def pack_entries(entries: Sequence[Mapping[str, Any]]) -> bytes:
         arrays["video_count"] = np.asarray([len(e.get("videos", [])) for e in entries], np.int32)
         text = json.dumps(videos, separators=(",", ":")).encode("utf-8")
         arrays["video_info"] = np.frombuffer(text, dtype=np.uint8)
+    if any(e.get("kind") for e in entries):  # only where there are: conversations as before
+        arrays["kind"] = np.asarray([e.get("kind", 0) for e in entries], dtype=np.uint8)
+        arrays["element_count"] = np.asarray(
+            [len(e.get("elements", [])) for e in entries], dtype=np.int32
+        )
+        arrays["elements"] = np.asarray(
+            [n for e in entries for n in e.get("elements", [])], dtype=np.int32
+        )
     out = io.BytesIO()
     np.savez(out, **arrays)
     return out.getvalue()
@@ -80,6 +92,7 @@ class Entries(Sequence):
                 arrays = {name: archive[name] for name in (*_ARRAYS, "chars")}
                 videos = archive["video_info"] if "video_info" in archive else None
                 video_count = archive["video_count"] if "video_count" in archive else None
+                kinds = {n: archive[n] for n in _KIND_ARRAYS if n in archive}
         except Exception as e:  # noqa: BLE001 - any damage: named with the file
             raise ShardFormatError(f"{where}: not a readable wdsvlm sidecar ({e})") from None
         n = len(arrays["offset"])
@@ -102,6 +115,15 @@ class Entries(Sequence):
             if len(video_count) != n or video_count.sum() != len(self.videos):
                 raise ShardFormatError(f"{where}: its video counts do not add up")
             self._video_start = np.concatenate([[0], np.cumsum(video_count)])
+        self.kind = self._elements = self._element_start = None  # all conversations
+        if kinds:
+            if len(kinds) != len(_KIND_ARRAYS) or len(kinds["kind"]) != n:
+                raise ShardFormatError(f"{where}: its kind arrays do not cover its samples")
+            count = kinds["element_count"]
+            if len(count) != n or count.sum() != len(kinds["elements"]):
+                raise ShardFormatError(f"{where}: its element counts do not add up")
+            self.kind, self._elements = kinds["kind"], kinds["elements"]
+            self._element_start = np.concatenate([[0], np.cumsum(count)])
         self.where = where
         self.offset, self.size = arrays["offset"], arrays["size"]
         self.image_count, self.image_size = arrays["image_count"], arrays["image_size"]
@@ -136,6 +158,10 @@ class Entries(Sequence):
         }
         if self._video_start is not None and self._video_start[i + 1] > self._video_start[i]:
             entry["videos"] = self.videos[int(self._video_start[i]) : int(self._video_start[i + 1])]
+        if self.kind is not None and self.kind[i]:
+            e, f = int(self._element_start[i]), int(self._element_start[i + 1])
+            entry["kind"] = int(self.kind[i])
+            entry["elements"] = self._elements[e:f].tolist()
         return entry
 
     def __iter__(self) -> Iterator[dict]:
