@@ -100,10 +100,25 @@ class Totals:
     chars: int = 0
     videos: int = 0
     sources: Counter = field(default_factory=Counter)
+    documents: int = 0
+    captions: int = 0
+    dropped_images: Counter = field(default_factory=Counter)
+    """Images dropped from documents and captions, by reason (the rest of each kept)."""
+    left_out: int = 0
+    """Captions not written: their image was dropped."""
 
-    def add(self, images: int, chars: Sequence[int], source: str, videos: int = 0) -> None:
-        """One sample of ``images`` images, ``videos`` videos, ``chars`` characters per turn,
-        from ``source``."""
+    def add(
+        self,
+        images: int,
+        chars: Sequence[int],
+        source: str,
+        videos: int = 0,
+        kind: str = "conversation",
+    ) -> None:
+        """One sample of ``images`` images, ``videos`` videos, ``chars`` characters per turn
+        (a document's or caption's, per text), from ``source``; its ``kind``."""
+        self.documents += kind == "document"
+        self.captions += kind == "caption"
         self.samples += 1
         self.images += images
         self.videos += videos
@@ -113,11 +128,19 @@ class Totals:
         self.chars += sum(chars)
         self.sources[source] += 1
 
+    def drop(self, dropped: Mapping[str, int], left_out: bool = False) -> None:
+        """Count a document's or caption's ``dropped`` images (by reason) and, if it is a
+        caption ``left_out`` for want of its image, that."""
+        self.dropped_images.update(dropped)
+        self.left_out += left_out
+
     def update(self, other: Totals) -> None:
         """Add ``other``'s samples (another shard's, counted elsewhere)."""
-        for name in ("samples", "images", "videos", "text_only", "multi_image", "turns", "chars"):
+        counts = ("samples", "images", "videos", "text_only", "multi_image", "turns", "chars")
+        for name in (*counts, "documents", "captions", "left_out"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.sources.update(other.sources)
+        self.dropped_images.update(other.dropped_images)
 
 
 class SpilledShards:
@@ -182,6 +205,13 @@ def root_index(
     }
     if totals.videos:  # a dataset of images only says as before
         index["totals"]["videos"] = totals.videos
+    for name in ("documents", "captions"):  # and one of conversations only
+        if getattr(totals, name):
+            index["totals"][name] = getattr(totals, name)
+    if totals.dropped_images:
+        index["totals"]["dropped_images"] = dict(sorted(totals.dropped_images.items()))
+    if totals.left_out:
+        index["totals"]["left_out_captions"] = totals.left_out
     if shard_root is not None:
         index["shard_root"] = shard_root
     return index

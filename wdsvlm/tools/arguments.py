@@ -104,10 +104,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     write.add_argument(
         "--format",
-        choices=("auto", "llava", "cauldron", "messages"),
+        choices=("auto", "llava", "cauldron", "messages", "obelics", "mmc4", "llava-pretrain"),
         default="auto",
-        help="records' layout: LLaVA 'conversations', Cauldron 'texts', or 'messages' with "
-        "roles; auto tells them apart by the first record's fields and says which",
+        help="records' layout: conversations (LLaVA 'conversations', Cauldron 'texts', or "
+        "'messages' with roles), documents (OBELICS 'texts'/'images', MMC4 'text_list'/"
+        "'image_info') or captions (llava-pretrain: LLaVA-Pretrain's JSON, named only); auto "
+        "tells them apart by the first record's fields and says which",
+    )
+    write.add_argument(
+        "--image-folder",
+        metavar="DIR_OR_URL",
+        help="documents and captions: a folder img2dataset wrote; images given as URLs are "
+        "taken from it (an image it did not download is dropped and counted)",
+    )
+    write.add_argument(
+        "--min-sim",
+        type=float,
+        default=0.24,
+        metavar="X",
+        help="mmc4: leave out an image whose matched_sim is under X (default 0.24, "
+        "OpenFlamingo's; counted as below_min_sim)",
     )
     write.add_argument("--samples-per-shard", type=int, default=5000, metavar="N")
     write.add_argument(
@@ -168,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
         "tars or into --output: per-shard sidecars, index-skipped.jsonl for bad samples, and "
         "index.json last. Layouts: wdsvlm (its own), captions (KEY.jpg + KEY.txt: user gets "
         "the image and a prompt, the caption is the answer), conversations (KEY.json with "
-        "LLaVA 'conversations', Cauldron 'texts' or 'messages', beside the images). "
+        "LLaVA 'conversations', Cauldron 'texts' or 'messages', beside the images), mint1t "
+        "(MINT-1T's tars: KEY.json with parallel 'texts' and 'images', KEY.tiff with the "
+        "images as frames; each sample a document). "
         "--upgrade turns a wdsvlm index of version 1 or 2 into version 3 instead (the shards "
         "in a binary table that the processes of a node map and share).",
     )
@@ -180,9 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     index.add_argument(
         "--format",
-        choices=("auto", "wdsvlm", "captions", "conversations"),
+        choices=("auto", "wdsvlm", "captions", "conversations", "mint1t"),
         default="auto",
         help="the samples' layout; auto looks at the first samples and says what it found",
+    )
+    index.add_argument(
+        "--kind",
+        choices=("conversation", "caption"),
+        help="captions: what each sample becomes: a conversation (default: the image and a "
+        "prompt, the caption the answer) or a caption for pretraining (the image, then the "
+        "caption; no prompt)",
     )
     index.add_argument(
         "--output",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
+from .documents import DocumentOptions
 from .inputs import iter_records
 from .pool import process_pool
 from .shards import check_record
@@ -65,6 +66,7 @@ class LocalEngine:
         return output
 
     def records(self) -> Iterator:
+        documents = DocumentOptions(self.opts.image_folder, self.opts.min_sim, self.storage_options)
         for path in self.inputs:
             yield from iter_records(
                 path,
@@ -72,6 +74,7 @@ class LocalEngine:
                 image_root=self.image_root,
                 storage_options=self.storage_options,
                 found=self.formats,
+                documents=documents,
             )
 
     def checked(self) -> Iterator:

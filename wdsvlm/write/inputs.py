@@ -32,11 +32,12 @@ from ..format.conversation import (
     place_images,
 )
 from ..storage.fs import join
+from .documents import LAYOUTS, DocumentOptions, detect_layout, document_record
 from .parquet import Embedded, is_parquet, iter_parquet
 
 log = logging.getLogger("wdsvlm.inputs")
 
-FORMATS = ("auto", *RECORD_FORMATS)
+FORMATS = ("auto", *RECORD_FORMATS, *LAYOUTS)
 FRAME_FILES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 
@@ -75,6 +76,7 @@ def iter_records(
     image_root: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
     found: dict | None = None,
+    documents: DocumentOptions | None = None,
 ) -> Iterator[dict | InputError]:
     """Yield every record of one input file, normalized, or the ``InputError`` it raised.
 
@@ -83,7 +85,8 @@ def iter_records(
     them), local or any fsspec URL. Relative image paths are resolved against
     ``image_root``, by default the folder of ``path``. A record's images embedded in Parquet
     come as ``Embedded`` references, their bytes under ``data``. ``found`` gets the format
-    of ``path`` (its name: the one given, or the one ``auto`` detected).
+    of ``path`` (its name: the one given, or the one ``auto`` detected). ``documents``: how
+    the images of documents and captions are found (``documents.DocumentOptions``).
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
@@ -96,11 +99,11 @@ def iter_records(
             yield raw
             continue
         if fmt is None:
-            fmt = detect_format(raw, path)
+            fmt = detect_layout(raw) or detect_format(raw, path)
             log.info("%s: format %s (by its first record's fields)", path, fmt)
         if found is not None:
             found[path] = fmt
-        yield normalize(raw, fmt, where, path, image_root, origin)
+        yield normalize(raw, fmt, where, path, image_root, origin, documents)
 
 
 def _iter_raw(path: str, storage_options=None) -> Iterator[tuple[str, Any, None]]:
@@ -132,15 +135,23 @@ def _iter_raw(path: str, storage_options=None) -> Iterator[tuple[str, Any, None]
 
 
 def normalize(
-    raw: Any, fmt: str, where: str, path: str, image_root: str | None, origin=None
+    raw: Any,
+    fmt: str,
+    where: str,
+    path: str,
+    image_root: str | None,
+    origin=None,
+    documents: DocumentOptions | None = None,
 ) -> dict | InputError:
     """One raw record (a JSON object or a Parquet row) of the file ``path`` in the writer's
     form, or its error. ``image_root``: where relative image paths start (default: the
-    file's folder); ``origin``: a Parquet row's ``(path, row group, row in it)``."""
+    file's folder); ``origin``: a Parquet row's ``(path, row group, row in it)``; a
+    document's or caption's (``fmt`` one of ``documents.LAYOUTS``) is made there."""
     if image_root is None:
         image_root = _folder(path)
     try:
-        return _normalize(raw, fmt, where, os.path.basename(path), image_root, origin)
+        name = os.path.basename(path)
+        return _normalize(raw, fmt, where, name, image_root, origin, documents)
     except InputError as e:
         return e
 
@@ -150,7 +161,13 @@ def _folder(path: str) -> str:
 
 
 def _normalize(
-    raw: Any, fmt: str, where: str, name: str, image_root: str, origin: tuple | None = None
+    raw: Any,
+    fmt: str,
+    where: str,
+    name: str,
+    image_root: str,
+    origin: tuple | None = None,
+    documents: DocumentOptions | None = None,
 ) -> dict:
     if not isinstance(raw, dict):
         raise InputError(where, "bad_record", f"expected a JSON object, got {type(raw).__name__}")
@@ -160,6 +177,10 @@ def _normalize(
     else:
         record_id = record_id if isinstance(record_id, (str, int)) else str(record_id)
         where = f"{where} (id {record_id!r})"
+    if fmt in LAYOUTS:
+        source = str(raw.get("source") or _default_source(name, origin))
+        args = (raw, fmt, where, record_id, source, image_root, origin, documents)
+        return document_record(*args)
     messages = parse_messages(raw, fmt, where)
     images = _images_of(raw)
     videos = _videos_of(raw, where)

@@ -84,6 +84,8 @@ class Embedded:
         value = _row_group_column(self.path, self.group, self.column, storage_options)[self.row]
         if self.item is not None:  # this image of the row's list, not the whole row
             value = value.values[self.item]
+        if value.type.num_fields == 0:  # a plain binary column (img2dataset's jpg)
+            return value.as_py()
         return value["bytes"].as_py()
 
 

@@ -33,6 +33,7 @@ from ..format.videos import (
     probe_video,
 )
 from ..storage.fs import join, publish_file, read_bytes, staging_file
+from .document_check import check_document, image_data
 from .inputs import Frames
 from .parquet import Embedded
 
@@ -49,6 +50,8 @@ def check_record(
     """
     if isinstance(record, InputError):
         return record
+    if "kind" in record:  # a document or caption: its images dropped, not refused
+        return check_document(record, storage_options)
     where = record["where"]
     images = []
     embedded = record.get("data") or [None] * len(record["images"])
@@ -232,7 +235,10 @@ def _write_sample(tar: HashingTarWriter, key: str, sample: dict, storage_options
         tar.member(f"{key}.{media_name(n, info.ext)}", data)  # as the reader finds it
     sizes = [(info.width, info.height) for _, info, _ in sample["images"]]
     videos = [info.as_dict() for _, info, _ in sample.get("videos", [])]
-    return sample_entry(key, start, tar.offset - start, sizes, sample["chars"], videos)
+    kind, elements = sample.get("kind", "conversation"), sample.get("elements", ())
+    return sample_entry(
+        key, start, tar.offset - start, sizes, sample["chars"], videos, kind, elements
+    )
 
 
 def _image_name(image: str | Embedded) -> str:
@@ -240,7 +246,6 @@ def _image_name(image: str | Embedded) -> str:
 
 
 def image_bytes(image: str | Embedded, storage_options=None) -> bytes:
-    """An image's bytes: from its file or URL, or from the Parquet row that embeds it."""
-    if isinstance(image, Embedded):
-        return image.read(storage_options)
-    return read_bytes(image, storage_options)
+    """An image's bytes: from its file or URL, or from the Parquet row (or img2dataset's tar)
+    that holds it."""
+    return image_data(image, storage_options)

@@ -37,6 +37,7 @@ from ..format.index import INDEX_NAME, SKIPPED_NAME
 from ..format.tarball import BLOCK
 from ..progress import progress
 from ..storage.fs import exists, join, list_names, remove
+from .documents import MIN_SIM, DocumentOptions
 from .inputs import FORMATS, expand_inputs
 from .shards import plan_shards, write_shard
 
@@ -54,7 +55,14 @@ class WriteOptions:
     """How ``write_dataset`` cuts and writes shards."""
 
     format: str = "auto"
-    """Input format: ``llava``, ``cauldron``, or ``auto`` (told apart per file)."""
+    """Input format: ``llava``, ``cauldron``, ``messages`` (conversations), ``obelics``,
+    ``mmc4`` (documents), ``llava-pretrain`` (captions), or ``auto`` (told apart per file;
+    ``llava-pretrain`` is only chosen by name: its rows look like LLaVA's)."""
+    image_folder: str | None = None
+    """Documents and captions: a folder img2dataset wrote, where images given as URLs are
+    found (``image_folder``)."""
+    min_sim: float = MIN_SIM
+    """MMC4: an image whose ``matched_sim`` is under this is left out (OpenFlamingo's 0.24)."""
     samples_per_shard: int = 5000
     """At most this many samples per shard."""
     max_shard_bytes: int = 256 * 2**20
@@ -88,6 +96,7 @@ class WriteOptions:
             raise ValueError(f"workers must be at least 1, not {self.workers}")
         if self.max_video_pixels < 1:
             raise ValueError(f"max_video_pixels must be at least 1, not {self.max_video_pixels}")
+        DocumentOptions(self.image_folder, self.min_sim)  # checks them
         if self.index_version not in (2, 3):
             raise ValueError(f"index_version must be 2 or 3, not {self.index_version!r}")
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_-]*", self.prefix):
@@ -110,18 +119,36 @@ class WriteSummary:
     seconds: float = 0.0
     formats: dict[str, str] = field(default_factory=dict)
     """Each input file's format (detected where ``auto``)."""
+    documents: int = 0
+    captions: int = 0
+    dropped_images: dict[str, int] = field(default_factory=dict)
+    """Images dropped from documents and captions, by reason (the rest of each written)."""
+    left_out_captions: int = 0
+    """Captions not written because their image was dropped."""
 
     def __str__(self) -> str:
         skipped = sum(self.skipped.values())
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items()))
+        kinds = [
+            _count(n, k) for n, k in ((self.documents, "document"), (self.captions, "caption"))
+        ]
+        images = ", ".join(
+            [k for k in kinds if not k.startswith("0 ")] + [_count(self.images, "image")]
+        )
         line = (
-            f"wrote {_count(self.samples, 'sample')} ({_count(self.images, 'image')}) "
+            f"wrote {_count(self.samples, 'sample')} ({images}) "
             f"in {_count(self.shards, 'shard')}, {self.bytes / 1e6:.1f} MB, to {self.output} "
             f"in {self.seconds:.1f} s; "
         )
         kinds = sorted(set(self.formats.values()))
         if kinds:
             line += f"input format {', '.join(kinds)}; "
+        if self.dropped_images:
+            why = ", ".join(f"{k}: {v}" for k, v in sorted(self.dropped_images.items()))
+            line += f"dropped {_count(sum(self.dropped_images.values()), 'image')} ({why})"
+            if self.left_out_captions:
+                line += f", so {_count(self.left_out_captions, 'caption')} not written"
+            line += "; "
         if not skipped:
             return line + "skipped none"
         return line + f"skipped {_count(skipped, 'bad record')} ({reasons}), see {SKIPPED_NAME}"
@@ -158,6 +185,8 @@ def write_dataset(
         raise ValueError(f"engine must be {' or '.join(map(repr, ENGINES))}, not {engine!r}")
     if ray_address and engine != "ray":
         raise ValueError("a Ray address is for the Ray engine: add --engine ray / engine='ray'")
+    if engine == "ray" and (opts.image_folder is not None or opts.min_sim != MIN_SIM):
+        raise ValueError("--image-folder and --min-sim are for the local engine (--engine local)")
     dataset = None if isinstance(inputs, str) or _is_iterable(inputs) else inputs
     if dataset is not None and engine != "ray":
         raise TypeError(f"inputs must be file paths, not {type(inputs).__name__} (or engine='ray')")
@@ -223,6 +252,10 @@ def write_dataset(
         skipped=dict(skipped),
         seconds=time.perf_counter() - started,
         formats=formats,
+        documents=totals.get("documents", 0),
+        captions=totals.get("captions", 0),
+        dropped_images=totals.get("dropped_images", {}),
+        left_out_captions=totals.get("left_out_captions", 0),
     )
 
 
@@ -246,7 +279,13 @@ def _write_shards(run: Engine, checked: Iterator, output: str, opts: WriteOption
             n_good += 1
             if bad and not opts.skip_bad:
                 continue  # refused at the end; checked only
-            totals.add(len(item["images"]), item["chars"], item["source"], len(item["videos"]))
+            totals.drop(item.get("dropped") or {}, item.get("left_out", False))
+            if item.get("left_out"):
+                continue  # a caption whose image was dropped: counted, not written
+            kind = item.get("kind", "conversation")
+            totals.add(
+                len(item["images"]), item["chars"], item["source"], len(item["videos"]), kind
+            )
             yield item
 
     in_flight: list = []
