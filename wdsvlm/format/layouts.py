@@ -8,6 +8,11 @@ wdsvlm reads three layouts, and an index records which one its shards hold:
   prompt is picked per key from a list by a seeded hash, so the same key always gets it.
 - ``conversations``: a JSON member holding LLaVA-style ``conversations``, Cauldron-style
   ``texts`` or ``messages`` with roles, with the sample's image members.
+- ``mint1t``: MINT-1T's tars as published (``KEY.json`` with parallel ``texts`` and ``images``
+  lists, ``KEY.tiff`` with the images as frames), each sample a document (``mint1t.py``).
+
+With ``kind="caption"`` the captions layout makes each sample a caption instead (its images,
+then the caption; ``format/documents.py``), trained on without a prompt.
 
 Keys and suffixes follow webdataset: a member's key is its path up to the first dot of its
 base name, the rest is its suffix (``000005.edited.jpg``: key ``000005``, suffix
@@ -33,9 +38,12 @@ from typing import Any
 
 from ..errors import InputError
 from .conversation import IMAGE_MARKER, conversation_of, media_order, place_images
+from .documents import KINDS, document_json
 from .members import BadSample, media_members, media_name, media_number
+from .mint1t import Document, is_mint1t
+from .mint1t import document as mint1t_document
 
-LAYOUTS = ("wdsvlm", "captions", "conversations")
+LAYOUTS = ("wdsvlm", "captions", "conversations", "mint1t")
 TEXT_SUFFIXES = ("txt", "caption", "text", "cap")
 """The captions layout's text member: the first of these a sample has."""
 DEFAULT_PROMPTS = (
@@ -104,16 +112,29 @@ class Layout:
     """captions: the seed of the per-key pick."""
     text: tuple[str, ...] = field(default=TEXT_SUFFIXES)
     """captions: suffixes of the text member, the first found is the caption."""
+    kind: str = ""
+    """What a sample becomes (``documents.KINDS``): captions, ``conversation`` (default) or
+    ``caption``; mint1t, ``document``; the others, ``conversation``."""
 
     def __post_init__(self):
         if self.name not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {self.name!r}")
+        kinds = {"captions": ("conversation", "caption"), "mint1t": ("document",)}
+        allowed = kinds.get(self.name, ("conversation",))
+        object.__setattr__(self, "kind", self.kind or allowed[0])
+        if self.kind not in allowed:
+            raise ValueError(
+                f"the {self.name} layout makes {' or '.join(allowed)} samples, not {self.kind!r}"
+                + (f" (one of {', '.join(KINDS)})" if self.kind not in KINDS else "")
+            )
         if not self.prompts or not all(isinstance(p, str) and p.strip() for p in self.prompts):
             raise ValueError("prompts must be a non-empty list of non-empty strings")
         object.__setattr__(self, "prompts", tuple(self.prompts))
         object.__setattr__(self, "text", tuple(t.lower() for t in self.text))
 
     def to_dict(self) -> dict:
+        if self.name == "captions" and self.kind == "caption":
+            return {"name": self.name, "kind": self.kind, "text": list(self.text)}
         if self.name == "captions":
             return {
                 "name": self.name,
@@ -132,6 +153,7 @@ class Layout:
             prompts=tuple(d.get("prompts", DEFAULT_PROMPTS)),
             seed=int(d.get("seed", 0)),
             text=tuple(d.get("text", TEXT_SUFFIXES)),
+            kind=d.get("kind", ""),
         )
 
     @property
@@ -143,23 +165,28 @@ class Layout:
         digest = hashlib.blake2b(f"{self.seed}\0{key}".encode(), digest_size=8).digest()
         return self.prompts[int.from_bytes(digest, "little") % len(self.prompts)]
 
+    def caption(self, members: Mapping[str, bytes], n_images: int) -> str:
+        """captions: the sample's caption; ``BadSample`` if there is none or no image."""
+        found = find_member(list(members), self.text, "text")
+        if found is None:
+            raise BadSample(
+                "missing_text",
+                f"no caption member ({' or '.join(self.text)}) beside {sorted(members)}",
+            )
+        caption = _text(members[found], found).strip()
+        if not caption:
+            raise BadSample("missing_text", f"its {found} member is empty")
+        if not n_images:
+            raise BadSample("missing_image", f"no image member among {sorted(members)}")
+        return caption
+
     def messages(
         self, key: str, members: Mapping[str, bytes], n_images: int, n_videos: int = 0
     ) -> list[dict]:
         """The sample's conversation, ``<image>`` and ``<video>`` markers in place;
         ``BadSample`` if there is none."""
         if self.name == "captions":
-            found = find_member(list(members), self.text, "text")
-            if found is None:
-                raise BadSample(
-                    "missing_text",
-                    f"no caption member ({' or '.join(self.text)}) beside {sorted(members)}",
-                )
-            caption = _text(members[found], found).strip()
-            if not caption:
-                raise BadSample("missing_text", f"its {found} member is empty")
-            if not n_images:
-                raise BadSample("missing_image", f"no image member among {sorted(members)}")
+            caption = self.caption(members, n_images)
             prompt = IMAGE_MARKER * n_images + "\n" + self.prompt(key)
             return [{"role": "user", "content": prompt}, {"role": "assistant", "content": caption}]
         found = find_member(list(members), ("json",), "json")
@@ -176,11 +203,26 @@ class Layout:
             raise BadSample(e.reason, e.message) from None
         return messages
 
+    def document(self, key: str, members: Mapping[str, bytes]) -> Document:
+        """The document or caption (``kind``) a sample of this layout makes, given its
+        members by suffix, with the images it leaves out; ``BadSample`` if they make none."""
+        if self.name == "mint1t":
+            return mint1t_document(key, members)
+        images = media_members(members).images
+        elements = [{"image": n} for n in range(len(images))]
+        elements.append({"text": self.caption(members, len(images))})
+        out = {"json": document_json(key, self.kind, elements)}
+        for n, suffix in enumerate(images):
+            out[media_name(n, image_extension(suffix))] = members[suffix]
+        return Document(out, elements)
+
     def convert(self, key: str, members: Mapping[str, bytes]) -> dict[str, bytes]:
         """wdsvlm's own members (``json``, ``0.jpg``...) for a sample of this layout, given
         its members by suffix; ``BadSample`` if they do not make one."""
         if self.native:
             return dict(members)
+        if self.kind != "conversation":
+            return self.document(key, members).members
         media = media_members(members)
         messages = self.messages(key, members, len(media.images), len(media.videos))
         out = {"json": canonical_json(key, messages)}
@@ -221,6 +263,8 @@ def detect(samples: Sequence[Mapping[str, bytes]]) -> tuple[str, str]:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 doc = None
             if isinstance(doc, dict):
+                if is_mint1t(doc):
+                    return "mint1t", "a json member with parallel 'texts' and 'images' lists"
                 if "messages" in doc and "id" in doc and "source" in doc and "." not in found:
                     # as the writer names them; bare ones (KEY.mp4) are converted
                     numbered = all(media_number(s) is not None for s in media.images + media.videos)
@@ -234,6 +278,7 @@ def detect(samples: Sequence[Mapping[str, bytes]]) -> tuple[str, str]:
             return "captions", f"an image member ({image}) and a text member ({text})"
     raise ValueError(
         "cannot tell the layout of these samples: no json member with 'conversations', "
-        "'texts' or 'messages', and no image member beside a text member "
+        "'texts' or 'messages' (or MINT-1T's 'texts' and 'images'), and no image member "
+        "beside a text member "
         f"({'/'.join(TEXT_SUFFIXES)}); pass --format"
     )

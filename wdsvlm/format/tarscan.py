@@ -17,6 +17,7 @@ import itertools
 import json
 import tarfile
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError, ShardFormatError, StorageError
@@ -24,6 +25,7 @@ from ..storage.fs import filesystem
 from .builder import sample_entry
 from .containers import MAX_VIDEO_PIXELS
 from .conversation import check_markers
+from .documents import check_elements, element_numbers, kind_of
 from .images import UnreadableImage, image_size
 from .index import FORMAT
 from .layouts import BadSample, Layout, split_name
@@ -118,6 +120,7 @@ def scan_tar(
         return InputError(f"{shard} key {key}", reason, message, {"shard": shard, "key": key})
 
     outcomes: list[dict | InputError] = []  # per sample, in order: its entry, or why it is bad
+    dropped: list[dict] = []  # images left out of the documents kept
     try:
         with fs.open(path, "rb") as f:
             reader = _HashingReader(f)
@@ -141,11 +144,15 @@ def scan_tar(
                     outcomes.append(bad_sample(key, "bad_member", message))
                     continue
                 try:
-                    images, chars, videos = _contents(key, members, layout, max_video_pixels)
+                    found = _contents(key, members, layout, max_video_pixels)
                 except BadSample as e:
                     outcomes.append(bad_sample(key, e.reason, str(e)))
                     continue
-                outcomes.append(sample_entry(key, start, end - start, images, chars, videos))
+                outcomes.append(sample_entry(key, start, end - start, *found.entry))
+                dropped += [
+                    {"shard": shard, "key": key, "reason": reason, "message": message}
+                    for reason, message in found.dropped
+                ]
             reader.rest()
             stop = tar.offset  # where tarfile stopped: the end-of-archive blocks, or not
             if not cut and (reader.count < stop + 2 * BLOCK or reader.last_nonzero >= stop):
@@ -167,28 +174,38 @@ def scan_tar(
     return {
         "entries": [o for o in outcomes if not isinstance(o, InputError)],
         "bad": [o for o in outcomes if isinstance(o, InputError)],
+        "dropped": dropped,
         "bytes": reader.count,
         "sha256": reader.digest.hexdigest(),
     }
 
 
+@dataclass(frozen=True)
+class _Found:
+    """What a sample's index entry records (``entry``: ``sample_entry``'s arguments after
+    its key and byte range), and the images its layout left out of its document."""
+
+    entry: tuple
+    dropped: list = field(default_factory=list)
+
+
 def _contents(
     key: str, members: Mapping[str, bytes], layout: Layout, max_video_pixels: int
-) -> tuple[list, list, list]:
-    """A sample's images' displayed sizes, its turns' characters and what the index records
-    of its videos, from its members."""
+) -> _Found:
+    """A sample's images' displayed sizes, its turns' (a document's: texts') characters,
+    what the index records of its videos and, for a document or caption, its kind and
+    elements, from its members."""
+    if layout.kind != "conversation":  # indexed as the reader will get it
+        made = layout.document(key, members)
+        members, kind, elements, dropped = made.members, layout.kind, made.elements, made.dropped
+    else:
+        kind, elements, dropped = "conversation", [], []
     media = media_members(members)  # the reader's rule: bare (KEY.mp4) or numbered (KEY.0.mp4)
     images, videos = media.images, media.videos
     if layout.native:
-        try:
-            messages = json.loads(members["json"])["messages"]
-            chars = [len(m["content"]) for m in messages]
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadSample("invalid_json", f"no wdsvlm json member with messages ({e})") from None
-        try:  # as the reader will count them: placeholders of the kinds it has media of
-            check_markers(messages, len(images), len(videos), key)
-        except InputError as e:
-            raise BadSample(e.reason, e.message) from None
+        kind, chars, elements = _native(key, members, len(images), len(videos))
+    elif kind != "conversation":
+        chars = [len(e["text"]) for e in elements if "text" in e]
     else:
         chars = [len(m["content"]) for m in layout.messages(key, members, len(images), len(videos))]
     sizes = []
@@ -209,7 +226,28 @@ def _contents(
             infos.append(probe.as_dict())
         except UnreadableVideo as e:
             raise BadSample("unreadable_video", f"video {suffix}: {e}") from None
-    return sizes, chars, infos
+    return _Found((sizes, chars, infos, kind, element_numbers(elements)), dropped)
+
+
+def _native(key: str, members: Mapping[str, bytes], images: int, videos: int) -> tuple:
+    """``(kind, characters per turn or text, elements)`` of a sample in wdsvlm's own layout,
+    checked as the reader will read it."""
+    try:
+        record = json.loads(members["json"])
+        kind = kind_of(record)
+        if kind == "conversation":
+            messages = record["messages"]
+            chars = [len(m["content"]) for m in messages]
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise BadSample("invalid_json", f"no wdsvlm json member with messages ({e})") from None
+    try:  # as the reader will count them: placeholders of the kinds it has media of
+        if kind != "conversation":
+            elements = check_elements(record.get("elements"), images, key, kind)
+            return kind, [len(e["text"]) for e in elements if "text" in e], elements
+        check_markers(messages, images, videos, key)
+    except InputError as e:
+        raise BadSample(e.reason, e.message) from None
+    return kind, chars, []
 
 
 def scan_index(urls: list[str], storage_options: Mapping[str, Any] | None = None) -> dict:

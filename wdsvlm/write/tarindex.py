@@ -2,15 +2,17 @@
 
 Each tar is read once, sequentially (in parallel over tars). Per sample the index records its
 byte range, its images' displayed sizes (read from the image headers, EXIF orientation applied,
-no decode) and the characters per turn of its conversation, in the layout the tars hold
-(``layouts``: wdsvlm's own, captions, conversations; ``format.tarscan`` reads a tar). The
-root ``index.json`` records the layout, so the Loader, ``inspect`` and ``stats`` read these
-tars as they read wdsvlm's own.
+no decode) and the characters per turn of its conversation, or a document's or caption's kind
+and elements, in the layout the tars hold (``layouts``: wdsvlm's own, captions, conversations,
+MINT-1T's; ``format.tarscan`` reads a tar). The root ``index.json`` records the layout, so the
+Loader, ``inspect`` and ``stats`` read these tars as they read wdsvlm's own.
 
 The index and the shards' sidecars go beside the tars, or to ``output`` when the tars' place
 is read-only; then the index names where the tars are (``shard_root``). Bad samples are
 counted by reason and listed in ``index-skipped.jsonl``; without ``skip_bad`` they stop the
-run with no ``index.json`` written. ``index.json`` is written last.
+run with no ``index.json`` written. An image a layout leaves out of a document it keeps (a
+MINT-1T frame that does not decode) is counted by reason in the index's totals
+(``dropped_images``) and in what ``index_tars`` returns. ``index.json`` is written last.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,6 +39,7 @@ from ..format.builder import (
     stops,
 )
 from ..format.containers import MAX_VIDEO_PIXELS
+from ..format.documents import KINDS
 from ..format.index import INDEX_NAME, INDEX_SKIPPED_NAME
 from ..format.layouts import LAYOUTS, Layout, detect
 from ..format.tarscan import first_samples, scan_tar
@@ -60,6 +64,10 @@ class IndexSummary:
     images: int = 0
     bytes: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
+    dropped_images: dict[str, int] = field(default_factory=dict)
+    """Images left out of the documents kept, by reason."""
+    dropped_examples: list[str] = field(default_factory=list)
+    """Up to 10 of them, each ``SHARD/KEY: why``."""
     seconds: float = 0.0
 
     def __str__(self) -> str:
@@ -69,6 +77,10 @@ class IndexSummary:
             f"{self.bytes / 1e6:.1f} MB, layout {self.layout}{found}, in {self.seconds:.1f} s; "
             f"index at {join(self.output, INDEX_NAME)}; "
         )
+        if self.dropped_images:
+            reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.dropped_images.items()))
+            line += f"images left out of their documents: {sum(self.dropped_images.values())} "
+            line += f"({reasons}); "
         if not self.skipped:
             return line + "skipped none"
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items()))
@@ -102,6 +114,7 @@ def index_tars(
     format: str = "auto",
     prompts: Sequence[str] | None = None,
     prompt_seed: int = 0,
+    kind: str = "",
     workers: int = 1,
     skip_bad: bool = False,
     overwrite: bool = False,
@@ -113,7 +126,9 @@ def index_tars(
     """Index the WebDataset tars of ``source`` (a folder or URL prefix, a brace pattern or a
     list of tar URLs) where they are, or into ``output``; see the module. ``format`` is a
     layout of ``layouts.LAYOUTS`` or ``auto``; ``prompts`` and ``prompt_seed`` set the
-    captions layout's prompts; ``index_version`` 3 (default) or 2, as ``write_dataset``;
+    captions layout's prompts; ``kind="caption"`` makes the captions layout's samples
+    captions (trained on without a prompt) instead of conversations; ``index_version`` 3
+    (default) or 2, as ``write_dataset``;
     ``max_video_pixels``: a video stating more frames x width x height is a bad sample
     (``unreadable_video``)."""
     if index_version not in (2, 3):
@@ -137,7 +152,7 @@ def index_tars(
         name, detected = detect(list(first_samples(urls[0], _DETECT_SAMPLES, storage_options)))
         log.info("%s: layout %s (%s)", urls[0], name, detected)
     settings = {"prompts": tuple(prompts)} if prompts else {}
-    layout = Layout(name, seed=prompt_seed, **settings)
+    layout = Layout(name, seed=prompt_seed, kind=kind, **settings)
     names = [u[len(folder) + 1 :] if u.startswith(folder + "/") else u for u in urls]
     scan = partial(
         _scan_and_publish,
@@ -153,10 +168,13 @@ def index_tars(
             mapped, enabled=show_progress, total=len(urls), desc="indexing", unit=" tars"
         )
         shards, bad, totals = SpilledShards(), [], Totals()  # memory: not a row a shard
-        for shard, counted, found in bar:
+        examples = []  # of the images left out of their documents
+        for shard, counted, found, left_out in bar:
             shards.append(shard)
             bad += found
             totals.update(counted)
+            examples += [f"{d['shard']}/{d['key']}: {d['message']}" for d in left_out]
+            del examples[10:]
     skipped_url = join(output, INDEX_SKIPPED_NAME)
     skipped = publish_skipped(bad, skipped_url, storage_options)
     if stops(bad, totals.samples, skip_bad):
@@ -175,6 +193,14 @@ def index_tars(
     if output != folder:  # absolute: the index may be read from anywhere
         shard_root = folder if "://" in folder else os.path.abspath(folder)
     index = root_index(shards, totals, skipped, layout=layout.to_dict(), shard_root=shard_root)
+    dropped = totals.dropped_images
+    if dropped:
+        log.warning(
+            "images left out of their documents: %d (%s), e.g. %s",
+            sum(dropped.values()),
+            dict(dropped),
+            "; ".join(examples[:3]),
+        )
     publish_root(output, index, storage_options, index_version)
     if bad:
         log.warning(
@@ -189,6 +215,8 @@ def index_tars(
         images=totals.images,
         bytes=index["totals"]["bytes"],
         skipped=dict(skipped),
+        dropped_images=dict(sorted(dropped.items())),
+        dropped_examples=examples,
         seconds=time.perf_counter() - started,
     )
 
@@ -196,13 +224,15 @@ def index_tars(
 def _scan_and_publish(
     job: tuple[str, str], layout: Layout, output: str, options, max_video_pixels: int
 ) -> tuple:
-    """Scan one tar and publish its sidecar; return its root-index entry, its totals and its
-    bad samples."""
+    """Scan one tar and publish its sidecar; return its root-index entry, its totals, its
+    bad samples and the images left out of its documents."""
     url, name = job
     scanned = scan_tar(url, layout, options, max_video_pixels)
     entries = scanned["entries"]
     totals = Totals()
     for e in entries:
-        totals.add(len(e["images"]), e["chars"], layout.name, len(e.get("videos", [])))
+        kind = KINDS[e.get("kind", 0)]
+        totals.add(len(e["images"]), e["chars"], layout.name, len(e.get("videos", [])), kind)
+    totals.drop(Counter(d["reason"] for d in scanned["dropped"]))
     shard = publish_sidecar(output, name, entries, scanned["bytes"], scanned["sha256"], options)
-    return shard, totals, scanned["bad"]
+    return shard, totals, scanned["bad"], scanned["dropped"]
