@@ -2,7 +2,8 @@
 
 Each image is read and probed as a conversation's are; one that cannot be had (not found, not
 readable, not decodable, not downloaded by img2dataset) is not a reason to refuse the record:
-it is dropped from the elements, the images after it renumbered, and counted by reason in
+it is dropped from the elements, the images after it renumbered (two texts that meet are
+joined where the layout says how: MMC4's sentences), and counted by reason in
 the sample's ``dropped`` (web documents lose many images; the text stays trainable). A caption
 left with no image is not written at all (``left_out``), its image counted the same way.
 """
@@ -41,8 +42,11 @@ def check_document(record: dict, storage_options: Mapping[str, Any] | None = Non
         else:
             kept.append(checked)
     elements, images = [], []
+    joiner = record.get("joiner")
     for element in record["elements"]:
         if "image" not in element:
+            if joiner is not None and elements and "text" in elements[-1]:
+                element = {"text": elements.pop()["text"] + joiner + element["text"]}
             elements.append(element)
         elif kept[element["image"]] is not None:
             elements.append({"image": len(images)})

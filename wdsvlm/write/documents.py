@@ -88,8 +88,9 @@ def document_record(
     "elements", "images", "data", "extra", "dropped"}``, ``images`` every image the row gives
     (a path or URL, ``Embedded``, ``image_folder``'s reference, or ``Unavailable``), numbered
     in ``elements`` in reading order, ``data`` the bytes of those embedded in Parquet,
-    ``dropped`` the images left out already (``below_min_sim``). ``InputError`` naming
-    ``where`` if the row's structure is wrong."""
+    ``dropped`` the images left out already (``below_min_sim``), ``joiner`` what joins two
+    texts that meet once an image between them is dropped (MMC4's sentences: a space; None:
+    they stay two). ``InputError`` naming ``where`` if the row's structure is wrong."""
     options = options or DocumentOptions()
     images: list = []
     data: list = []
@@ -125,6 +126,7 @@ def document_record(
         "videos": [],
         "extra": extra,
         "dropped": dropped,
+        "joiner": " " if layout == "mmc4" else None,
     }
 
 

@@ -60,8 +60,18 @@ def open_parquet(path: str, storage_options=None):
 
 
 def parquet_format(parquet, path: str) -> str:
-    """A Parquet file's format from its columns' names (no row read)."""
-    return detect_format({name: None for name in parquet.schema_arrow.names}, path)
+    """A Parquet file's format from its columns (no row read): OBELICS's ``texts`` are
+    strings (Cauldron's are turns), MMC4 has ``text_list`` and ``image_info``."""
+    import pyarrow as pa
+
+    schema = parquet.schema_arrow
+    if "text_list" in schema.names and "image_info" in schema.names:
+        return "mmc4"
+    if "texts" in schema.names and "images" in schema.names:
+        texts = schema.field("texts").type
+        if pa.types.is_list(texts) and pa.types.is_string(texts.value_type):
+            return "obelics"
+    return detect_format({name: None for name in schema.names}, path)
 
 
 @dataclass(frozen=True)
