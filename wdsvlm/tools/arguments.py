@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     write = commands.add_parser(
         "write",
-        help="write LLaVA/Cauldron records as WebDataset shards with an index",
-        description="Write LLaVA- or Cauldron-style JSON/JSONL records and their images as "
+        help="write conversations, documents or captions as WebDataset shards with an index",
+        description="Write LLaVA-, Cauldron- or messages-style conversations, OBELICS or MMC4 "
+        "documents, or LLaVA-Pretrain captions (JSON, JSONL or Parquet) and their images as "
         "WebDataset tar shards plus index.json, to a folder or a bucket URL.",
     )
     write.add_argument(

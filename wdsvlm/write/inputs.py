@@ -8,6 +8,9 @@ of its files, resolved against the image root, in order (images and videos embed
 Parquet: ``parquet.Embedded`` references, the images' bytes under ``data``). A record's videos
 are its ``video`` (one, or a list) or else its ``videos``, as LLaVA-Video writes them; a video
 given as a list of image files is its frames (``Frames``), at the record's ``fps``.
+
+Documents and captions (OBELICS, MMC4, LLaVA-Pretrain rows) become records of their own form,
+made in ``documents``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ written.
 Checking reads a record's images and videos and keeps only what planning needs (the JSON
 bytes, and per file its reference, what the index records of it and its stored size), never
 their bytes. A sample's images and videos are its members ``0.jpg``, ``1.mp4``, ... numbered
-in the order of their markers in the conversation. The cut is a pure
+in the order of their markers in the conversation (a document's or caption's: in element
+order, checked in ``document_check``, its unavailable images dropped). The cut is a pure
 function of the samples' sizes, so any number of workers gives the same shards; a shard's
 images are read again when it is written, and a tar member's bytes are known before it is.
 """

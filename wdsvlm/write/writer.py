@@ -169,7 +169,8 @@ def write_dataset(
     **options: Any,
 ) -> WriteSummary:
     """Write the records of ``inputs`` (JSON/JSONL files of LLaVA, Cauldron or ``messages``
-    records, or Parquet files with embedded images; globs expanded) as a dataset.
+    records, of OBELICS or MMC4 documents or LLaVA-Pretrain captions, or Parquet files with
+    embedded images; globs expanded) as a dataset.
 
     ``output`` is a local folder or an fsspec URL (``s3://bucket/prefix``, ``gs://...``,
     ``memory://...``). ``image_root`` is where relative image paths start (default: each input
@@ -237,6 +238,13 @@ def write_dataset(
     if bad:
         log.warning(
             "skipped %d bad records (%s); listed in %s", len(bad), dict(skipped), skipped_url
+        )
+    if totals.dropped_images:
+        dropped = dict(totals.dropped_images)
+        log.warning(
+            "dropped %d images from documents and captions, their text kept (%s)",
+            sum(dropped.values()),
+            dropped,
         )
     index = root_index(shards, totals, skipped, prefix=opts.prefix)
     publish_root(output, index, storage_options, opts.index_version)
