@@ -394,3 +394,41 @@ def test_documents_are_written_the_same_by_any_number_of_workers(pictures, tmp_p
             }
         )
     assert len(written[0]) == 6 and written[0] == written[1]
+
+
+def test_llava_pretrain_parquet_with_embedded_images_is_written_as_captions(pictures, tmp_path):
+    root, sizes = pictures
+    rows = [r for r in llava_pretrain_rows() if r["image"] != "gone.jpg"]
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    embedded = []
+    for r in rows:
+        with open(os.path.join(root, r["image"]), "rb") as f:
+            embedded.append({"bytes": f.read(), "path": r["image"]})
+    table = pa.table(
+        {
+            "id": [r["id"] for r in rows],
+            "image": pa.array(embedded, image),  # one image a row, as LLaVA-ReCap-558K
+            "conversations": [r["conversations"] for r in rows],
+        }
+    )
+    path = str(tmp_path / "recap.parquet")
+    pq.write_table(table, path)
+    out = str(tmp_path / "ds")
+    summary = write_dataset(path, out, format="llava-pretrain", progress=False)
+    assert summary.captions == 2
+    elements = [[{"image": 0}, {"text": r["conversations"][1]["value"]}] for r in rows]
+    check_written(out, elements, [["a.jpg"], ["b.png"]], sizes, "caption")
+
+
+def test_mmc4_images_are_found_by_raw_url_in_an_img2dataset_folder(pictures, tmp_path):
+    root, sizes = pictures
+    folder = str(tmp_path / "downloaded")
+    img2dataset_folder(folder, root, {"u/a": "a.jpg", "u/b": "b.png"}, "files")
+    row = mmc4_row()
+    row["image_info"][3]["raw_url"] = "https://img.example/failed.jpg"
+    path = write_jsonl(str(tmp_path / "docs.jsonl"), [row])
+    out = str(tmp_path / "ds")
+    summary = write_dataset(path, out, image_folder=folder, progress=False)
+    elements = [{"image": 0}, {"text": "S0. S1."}, {"image": 1}, {"text": "S2. S3."}]
+    check_written(out, [elements], [["b.png", "a.jpg"]], sizes, "document")
+    assert summary.dropped_images == {"below_min_sim": 1, "download_failed": 1}
