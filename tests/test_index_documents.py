@@ -203,7 +203,8 @@ def test_mint1t_layout_is_detected_and_its_dropped_images_reported(mint1t):
     assert "layout mint1t (detected: a json member with parallel 'texts' and 'images'" in (
         result.stdout
     )
-    assert "images left out of their documents: 1 (unreadable_image: 1)" in result.stdout
+    assert "indexed 4 samples (4 documents, 6 images) in 2 shards" in result.stdout
+    assert "dropped 1 images (unreadable_image: 1)" in result.stdout
     assert "skipped none" in result.stdout
 
 
@@ -238,17 +239,17 @@ def test_bad_mint1t_samples_are_named_and_refused_unless_skipped(tmp_path):
     assert "shard-0.tar key lengths: 'texts' has 3 entries and 'images' 2" in message
     assert "shard-0.tar key both: position 1 holds both a text and an image" in message
     assert "shard-0.tar key neither: position 1 holds neither a text nor an image" in message
-    assert "(bad_elements)" in message
+    assert "(bad_document)" in message
     assert not os.path.exists(folder / "index.json")
 
     summary = index_tars(str(folder), format="mint1t", skip_bad=True, show_progress=False)
     assert summary.samples == 1
-    assert summary.skipped == {"bad_elements": 3, "missing_text": 1, "invalid_json": 1}
+    assert summary.skipped == {"bad_document": 3, "missing_text": 1, "invalid_json": 1}
     listed = [json.loads(line) for line in open(folder / "index-skipped.jsonl")]
     assert {(b["shard"], b["key"], b["reason"]) for b in listed} == {
-        ("shard-0.tar", "lengths", "bad_elements"),
-        ("shard-0.tar", "both", "bad_elements"),
-        ("shard-0.tar", "neither", "bad_elements"),
+        ("shard-0.tar", "lengths", "bad_document"),
+        ("shard-0.tar", "both", "bad_document"),
+        ("shard-0.tar", "neither", "bad_document"),
         ("shard-0.tar", "notext", "missing_text"),
         ("shard-0.tar", "notjson", "invalid_json"),
     }
@@ -279,7 +280,7 @@ def test_img2dataset_captions_are_indexed_as_captions_trained_without_a_prompt(c
     before = digests(folder)
     result = run_cli("index", str(folder), "--format", "captions", "--kind", "caption", "-q")
     assert result.returncode == 0, result.stderr
-    assert "indexed 3 samples (3 images)" in result.stdout
+    assert "indexed 3 samples (3 captions, 3 images)" in result.stdout
     assert digests(folder) == before
     index = load_index(str(folder))
     assert index["layout"] == {"name": "captions", "kind": "caption", "text": ["txt", "caption",

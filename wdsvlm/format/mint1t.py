@@ -21,7 +21,7 @@ keep the same images.
 
 A sample whose structure is wrong is a ``BadSample``: no JSON (``missing_json``), JSON that
 does not parse (``invalid_json``), ``texts``/``images`` that are not two lists of equal length
-with exactly one entry per position (``bad_elements``), no text (``missing_text``). An image
+with exactly one entry per position (``bad_document``), no text (``missing_text``). An image
 that cannot be had (no image member, no such frame, a frame that does not decode) is left out
 of its document and counted (``Document.dropped``); the document is kept.
 """
@@ -89,19 +89,19 @@ def reading_order(doc: Mapping[str, Any]) -> list[tuple[str, str]]:
     text."""
     texts, images = doc.get("texts"), doc.get("images")
     if not isinstance(texts, list) or not isinstance(images, list):
-        raise BadSample("bad_elements", "its json has no 'texts' and 'images' lists")
+        raise BadSample("bad_document", "its json has no 'texts' and 'images' lists")
     if len(texts) != len(images):
         raise BadSample(
-            "bad_elements", f"'texts' has {len(texts)} entries and 'images' {len(images)}"
+            "bad_document", f"'texts' has {len(texts)} entries and 'images' {len(images)}"
         )
     order = []
     for i, (text, image) in enumerate(zip(texts, images, strict=True)):
         if (text is None) == (image is None):
             which = "neither a text nor an image" if text is None else "both a text and an image"
-            raise BadSample("bad_elements", f"position {i} holds {which}")
+            raise BadSample("bad_document", f"position {i} holds {which}")
         value = text if image is None else image
         if not isinstance(value, str):
-            raise BadSample("bad_elements", f"position {i} holds {value!r}, not a string")
+            raise BadSample("bad_document", f"position {i} holds {value!r}, not a string")
         order.append(("text", text) if image is None else ("image", image))
     if not any(kind == "text" and value.strip() for kind, value in order):
         raise BadSample("missing_text", "the document has no text")
@@ -132,7 +132,7 @@ def frame_bytes(img: Image.Image, number: int) -> bytes:
     if frame.mode not in ("1", "L", "LA", "P", "RGB", "RGBA", "CMYK", "I;16", "I", "F"):
         frame = frame.convert("RGBA" if "A" in frame.getbands() else "RGB")
     out = io.BytesIO()
-    frame.save(out, format="TIFF")
+    frame.save(out, format="TIFF", compression="raw")  # not the frame's own: a copy keeps it
     return out.getvalue()
 
 

@@ -62,6 +62,8 @@ class IndexSummary:
     shards: int = 0
     samples: int = 0
     images: int = 0
+    documents: int = 0
+    captions: int = 0
     bytes: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     dropped_images: dict[str, int] = field(default_factory=dict)
@@ -72,15 +74,19 @@ class IndexSummary:
 
     def __str__(self) -> str:
         found = f" (detected: {self.detected})" if self.detected else ""
+        kinds = "".join(
+            f"{n} {kind}, "
+            for n, kind in ((self.documents, "documents"), (self.captions, "captions"))
+            if n
+        )
         line = (
-            f"indexed {self.samples} samples ({self.images} images) in {self.shards} shards, "
-            f"{self.bytes / 1e6:.1f} MB, layout {self.layout}{found}, in {self.seconds:.1f} s; "
-            f"index at {join(self.output, INDEX_NAME)}; "
+            f"indexed {self.samples} samples ({kinds}{self.images} images) in {self.shards} "
+            f"shards, {self.bytes / 1e6:.1f} MB, layout {self.layout}{found}, "
+            f"in {self.seconds:.1f} s; index at {join(self.output, INDEX_NAME)}; "
         )
         if self.dropped_images:
             reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.dropped_images.items()))
-            line += f"images left out of their documents: {sum(self.dropped_images.values())} "
-            line += f"({reasons}); "
+            line += f"dropped {sum(self.dropped_images.values())} images ({reasons}); "
         if not self.skipped:
             return line + "skipped none"
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items()))
@@ -196,7 +202,7 @@ def index_tars(
     dropped = totals.dropped_images
     if dropped:
         log.warning(
-            "images left out of their documents: %d (%s), e.g. %s",
+            "dropped %d images from their documents, the rest of each kept (%s), e.g. %s",
             sum(dropped.values()),
             dict(dropped),
             "; ".join(examples[:3]),
@@ -213,6 +219,8 @@ def index_tars(
         shards=len(shards),
         samples=totals.samples,
         images=totals.images,
+        documents=totals.documents,
+        captions=totals.captions,
         bytes=index["totals"]["bytes"],
         skipped=dict(skipped),
         dropped_images=dict(sorted(dropped.items())),
