@@ -88,12 +88,12 @@ class ImageFolder:
         table = join(self.folder, shard + ".parquet")
         rows = []
         with open_parquet(table, self.storage_options) as parquet:
-            columns = [c for c in ("url", "key", "status", "error_message", "jpg")]
+            columns = ("url", "key", "status", "error_message", "jpg")
             present = [c for c in columns if c in parquet.schema_arrow.names]
             if "url" not in present or "key" not in present:
                 return  # not one of img2dataset's shard tables
+            read = [c for c in present if c != "jpg"]  # the URLs, not the images
             for group in range(parquet.num_row_groups):
-                read = [c for c in present if c != "jpg"]
                 batch = parquet.read_row_group(group, columns=read).to_pylist()
                 rows += [(group, i, row) for i, row in enumerate(batch)]
         if shard + ".tar" in names:
@@ -105,7 +105,8 @@ class ImageFolder:
             stored = None  # the images are in the table itself (output_format parquet)
         for group, i, row in rows:
             url = row.get("url")
-            if not isinstance(url, str) or isinstance(self.urls.get(url), (str, TarMember)):
+            known = self.urls.get(url)
+            if not isinstance(url, str) or known is not None and not isinstance(known, Unavailable):
                 continue  # a URL tried twice: the first image got
             if row.get("status", "success") != "success":
                 error = row.get("error_message") or row.get("status")
