@@ -241,3 +241,12 @@ def place_images(messages: list[dict], n_images: int, where: str, n_videos: int 
     if head:
         first_user = next(m for m in messages if m["role"] == "user")
         first_user["content"] = head + "\n" + first_user["content"]
+
+
+def messages_of(record: dict) -> list[dict]:
+    """The record's ``messages`` as ``{"role", "content"}`` dicts; ``KeyError``, ``TypeError``
+    or ``ValueError`` where they are missing or not of that form, or a content is not text."""
+    messages = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+    if not all(isinstance(m["content"], str) for m in messages):
+        raise TypeError("message content must be a string")
+    return messages

@@ -10,8 +10,10 @@ worker had begun are whole.
 Those unread places, pass by pass, are merged into sorted ranges and split into contiguous,
 near-equal parts over the new global workers; each new worker reads its part of each
 unfinished pass first, then its own share of every later pass. Every planned sample not yet
-yielded comes once, nothing yielded comes again. The new states hold ranges, not samples:
-O(old global workers + what the old buffers held).
+yielded comes once, nothing yielded comes again. A document some of whose pieces were yielded
+is not read again whole: its pieces still held (``[pass, place, piece]``) are split over the
+new global workers likewise, each held by its tokenizer stage, which yields them first. The
+new states hold ranges, not samples: O(old global workers + what the old buffers held).
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ from .state import LoaderState, WorkerState
 
 
 def unread_ranges(
-    workers: Sequence[WorkerState], pass_size: int
+    workers: Sequence[WorkerState], pass_size: int, pieces: list | None = None
 ) -> tuple[dict[int, list[list[int]]], int]:
     """The places not yet yielded by the old global workers (their stream states, in global
     worker order), as sorted disjoint ranges per pass; and the first pass no worker had
     begun (whole from there on). Overlapping places mean the states are not of one step of
-    one run, and are refused."""
+    one run, and are refused. The pieces of documents held (``[pass, place, piece]``: the
+    document's other pieces were yielded) go to ``pieces``, sorted, not into the ranges."""
     old = len(workers)
+    held_pieces = set()
     later = max(w.read.next for w in workers)
     by_pass: dict[int, list[list[int]]] = {}
     for number, worker in enumerate(workers):
@@ -40,7 +44,17 @@ def unread_ranges(
             start, stop = worker_share(pass_size, number, old)
             if start < stop:
                 by_pass.setdefault(pass_, []).append([start, stop])
-        for pass_, place in worker.held_places():
+        for held in worker.held_places():
+            if len(held) == 3:
+                if tuple(held) in held_pieces:
+                    raise ValueError(
+                        f"the loader states overlap (pass {held[0]}, place {held[1]}, piece "
+                        f"{held[2]} is in two of them): they are not the states of all ranks "
+                        "of one run at one step"
+                    )
+                held_pieces.add(tuple(held))
+                continue
+            pass_, place = held
             by_pass.setdefault(pass_, []).append([place, place + 1])
     merged = {}
     for pass_, ranges in sorted(by_pass.items()):
@@ -57,6 +71,14 @@ def unread_ranges(
             else:
                 out.append([a, b])
         merged[pass_] = out
+    for p, place, _ in held_pieces:  # a document both whole and in pieces: not one step
+        if any(a <= place < b for a, b in merged.get(p, ())):
+            raise ValueError(
+                f"the loader states overlap (pass {p}, place {place} is held whole and in "
+                "pieces): they are not the states of all ranks of one run at one step"
+            )
+    if pieces is not None:
+        pieces[:] = [list(h) for h in sorted(held_pieces)]
     return merged, later
 
 
@@ -83,7 +105,8 @@ def remap(
     """This rank's worker states (one per DataLoader worker) on the new topology, from the
     loader states of all ranks of the old run (rank order)."""
     old = [worker for state in states for worker in state.workers]
-    unread, later = unread_ranges(old, pass_size)
+    pieces: list = []
+    unread, later = unread_ranges(old, pass_size, pieces)
     new_workers = world_size * workers_per_rank
     out = []
     for slot in range(workers_per_rank):
@@ -93,7 +116,10 @@ def remap(
             part = split(ranges, number, new_workers)
             if part:
                 segments.append([pass_, part])
-        out.append(WorkerState.fresh(later, segments))
+        state = WorkerState.fresh(later, segments)
+        first, stop = worker_share(len(pieces), number, new_workers)
+        state.tokenize.held = pieces[first:stop]  # taken back and yielded first
+        out.append(state)
     return out
 
 

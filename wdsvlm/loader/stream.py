@@ -257,7 +257,12 @@ class Stream(IterableDataset):
         again (``again``), then passed through each of ``before`` (``again()``)."""
 
         def fetch(places: Sequence[Place]) -> list:
-            found = [again.get(tuple(p)) for p in places]
+            found = [again.get((p[0], p[1])) for p in places]
+            # a piece of a document: the document, asking for that piece only
+            found = [
+                {**s, "__piece__": p[2]} if s is not None and len(p) == 3 else s
+                for s, p in zip(found, places, strict=True)
+            ]
             samples = [s for s in found if s is not None]
             for stage in before:
                 passed = stage.again(samples)
@@ -321,7 +326,7 @@ class Stream(IterableDataset):
         again (its shard changed or went away since the state was saved) is counted as
         skipped with ``on_shard_error="skip"``, else refused, naming it."""
         by_pass: dict[int, list[int]] = {}
-        for p, position in places:
+        for p, position in sorted({(p[0], p[1]) for p in places}):  # a document's pieces: once
             by_pass.setdefault(p, []).append(position)
         out, names = {}, {}
         for p, positions in by_pass.items():
@@ -338,7 +343,7 @@ class Stream(IterableDataset):
                     "samples "
                     f"that cannot be read again: {e}"
                 ) from e
-        missing = [tuple(p) for p in places if tuple(p) not in out]
+        missing = sorted({(p[0], p[1]) for p in places} - set(out))
         if missing and self.read.on_shard_error != "skip":
             shown = ", ".join(names.get(m, f"pass {m[0]} position {m[1]}") for m in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""

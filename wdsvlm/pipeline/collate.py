@@ -214,6 +214,8 @@ def collate_rows(
         "sample_keys": [[sample_name(s) for s in row] for row in rows],
         "sample_passes": [[s.get("__pass__", 0) for s in row] for row in rows],
     }
+    if any("__piece__" in s for s in samples):  # which piece of its document (None: whole)
+        batch["sample_pieces"] = [[s.get("__piece__") for s in row] for row in rows]
     if sources or any("__source__" in s for s in samples):  # which source each sample is of
         batch["sample_sources"] = [[s.get("__source__") for s in row] for row in rows]
     return batch

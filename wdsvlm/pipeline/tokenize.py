@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
@@ -26,8 +25,10 @@ import numpy as np
 from ..errors import InputError, TemplateError
 from ..families.base import Family
 from ..families.tiling import ImageConfig, TilingFamily
+from ..format.conversation import messages_of
 from ..format.images import UnreadableImage, UnusableImage, image_members, image_size
 from ..format.videos import VideoInfo
+from .documents import Document, Documents, parse_record
 from .labels import answer_ranges, marked
 from .placeholders import (
     IGNORE_INDEX,
@@ -40,7 +41,7 @@ from .placeholders import (
     text_tokens,
     video_refusal,
 )
-from .places import Fetch, Place, StageRun, copied, places_of, present
+from .places import Fetch, TokenizeRun, TokenizeState, present
 from .stats import SkipStats
 from .template import CHATML_TEMPLATE, PROBE, check_template
 from .usermap import SampleMap
@@ -65,6 +66,9 @@ class Tokenize:
     template refused the conversation), ``template_mismatch`` (an answer is not rendered
     verbatim, so its labels cannot be found). A template that does not compile is refused
     at once (``TemplateError``).
+    A document or caption (``format/documents.py``) is rendered by ``documents.Documents``
+    and cut into pieces of at most ``max_length`` tokens and ``max_units`` vision units, each
+    yielded as a sample of its own.
     """
 
     def __init__(
@@ -79,6 +83,8 @@ class Tokenize:
         batch_size: int = 32,
         stats: SkipStats | None = None,
         sample_map: SampleMap | None = None,
+        max_length: int | None = None,
+        max_units: int | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size ({batch_size}) must be positive")
@@ -112,6 +118,7 @@ class Tokenize:
         self.batch_size = batch_size
         self.stats = stats if stats is not None else SkipStats()
         self.sample_map = sample_map
+        self.documents = Documents(family, max_length, max_units)
         # Special tokens longest first: the end-of-turn token is the one right after an answer.
         self._specials = sorted(set(tok.all_special_tokens), key=len, reverse=True)
         check_template(tok, template, family.chat_messages(PROBE))
@@ -226,12 +233,19 @@ class Tokenize:
         self, sample: dict, stats: SkipStats
     ) -> tuple[str, list[tuple[int, int]], list[int]] | None:
         try:
-            record = json.loads(sample["json"])
-            if self.sample_map is None:
+            record, kind = parse_record(sample)
+            if self.sample_map is None and kind == "conversation":
                 messages = messages_of(record)
         except (KeyError, TypeError, ValueError) as e:
             stats.skip("tokenize", "invalid_json", sample, f"{type(e).__name__}: {e}")
             return None
+        if kind != "conversation":  # a document or caption
+            try:
+                sizes = self.sizes_of(sample)
+            except (UnreadableImage, UnusableImage) as e:
+                stats.skip("tokenize", "undecodable_image", sample, str(e))
+                return None
+            return self.documents.take(record, sample, sizes, stats, self.sample_map)
         if self.sample_map is not None:  # what it returns is its own: a failure is map_error
             messages = self.sample_map(record, sample, stats, messages_of)
             if messages is None:  # dropped or skipped, and counted
@@ -300,16 +314,26 @@ class Tokenize:
             if rest is not None:
                 rest.clear()
             return
-        encoded = self.tokenizer(
-            [p[0] for _, p in prepared], add_special_tokens=False, return_offsets_mapping=True
+        self.documents.encode([p for _, p in prepared if isinstance(p, Document)])
+        talks = [(s, p) for s, p in prepared if not isinstance(p, Document)]
+        texts = [p[0] for _, p in talks]
+        encoded = texts and self.tokenizer(
+            texts, add_special_tokens=False, return_offsets_mapping=True
         )
-        for i, (sample, (_, ranges, tiles)) in enumerate(prepared):
+        i = -1
+        for at_, (sample, prepared_) in enumerate(prepared):
+            after = [s for s, _ in prepared[at_ + 1 :]]
+            if isinstance(prepared_, Document):
+                yield from self.documents.run(prepared_, stats, rest, after)
+                continue
+            i += 1
+            ranges, tiles = prepared_[1], prepared_[2]
             if rest is not None:
-                rest[:] = [s for s, _ in prepared[i + 1 :]]
+                rest[:] = after
             ids = np.asarray(encoded["input_ids"][i], dtype=np.int64)
             offsets = np.asarray(encoded["offset_mapping"][i], dtype=np.int64).reshape(-1, 2)
             markers = sample.pop("__text_markers__", ())  # as text, never the <image> token
-            ids, offsets = text_tokens(ids, offsets, prepared[i][1][0], markers, self.tokenizer)
+            ids, offsets = text_tokens(ids, offsets, prepared_[0], markers, self.tokenizer)
             supervised = np.zeros(len(ids), dtype=bool)
             for a, b in ranges:
                 supervised |= (offsets[:, 1] > a) & (offsets[:, 0] < b)
@@ -359,41 +383,3 @@ class Tokenize:
         """Tokenize ``samples`` at once (those that cannot be are skipped and counted, in
         ``stats`` when given, else in the stage's own)."""
         return list(self._encode(list(samples), self.stats if stats is None else stats))
-
-
-@dataclass
-class TokenizeState:
-    """The places of the samples a tokenizer batch ``held``: taken in, not yet yielded."""
-
-    held: list[Place] = field(default_factory=list)
-
-    def held_places(self) -> list[Place]:
-        return list(self.held)
-
-    def saved(self) -> list[Place]:
-        return copied(self.held)
-
-    @classmethod
-    def from_saved(cls, saved: list) -> TokenizeState:
-        return cls(copied(saved))
-
-
-class TokenizeRun(StageRun):
-    """One iteration of a ``Tokenize``: ``rest``, the samples of the batch being encoded that
-    are not yet yielded."""
-
-    def __init__(self, stage: Tokenize, samples: Iterator[dict], rest: list[dict]):
-        self.rest = rest
-        super().__init__(stage._run(samples, rest))
-
-    def state(self) -> TokenizeState:
-        return TokenizeState(places_of(self.rest))
-
-
-def messages_of(record: dict) -> list[dict]:
-    """The record's ``messages`` as ``{"role", "content"}`` dicts; ``KeyError``, ``TypeError``
-    or ``ValueError`` where they are missing or not of that form, or a content is not text."""
-    messages = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
-    if not all(isinstance(m["content"], str) for m in messages):
-        raise TypeError("message content must be a string")
-    return messages
