@@ -242,3 +242,49 @@ def test_elastic_resume_mid_document_keeps_every_piece_exactly_once(docs, new_wo
             after += [s for batch in loader for s in seen_in(batch)]
     got = Counter((key, piece) for p, key, piece in before + after if p == 0)
     assert got == expected
+
+
+def test_conversations_documents_and_captions_mix_in_one_loader(docs):
+    sources = [wdsvlm.Source(EXAMPLE, weight=0.5), wdsvlm.Source(docs, weight=0.5)]
+    loader = wdsvlm.Loader(sources, TOKENIZER, num_workers=0, samples_per_pass=60, **SETTINGS)
+    kinds = Counter()
+    for batch in loader:
+        pieces = batch.get("sample_pieces") or [[None] * len(r) for r in batch["sample_keys"]]
+        for row_sources, row_pieces in zip(batch["sample_sources"], pieces, strict=True):
+            for source, piece in zip(row_sources, row_pieces, strict=True):
+                kinds[source, piece is not None] += 1
+        labels = batch["labels"]
+        assert batch["num_loss_tokens"] == (labels != IGNORE_INDEX).sum()
+    names = {source for source, _ in kinds}
+    assert len(names) == 2 and all(kinds[n, True] or kinds[n, False] for n in names)
+    assert any(is_piece for _, is_piece in kinds) and any(not p for _, p in kinds)
+
+
+@pytest.mark.processes
+def test_a_state_saved_mid_document_with_workers_resumes_bit_for_bit(docs):
+    settings = {**SETTINGS, "num_workers": 2}
+    run = states_and_batches(wdsvlm.Loader(docs, TOKENIZER, **settings))
+    k = next(k for k, (_, state) in enumerate(run[:-1]) if held_pieces(state))
+    resumed = wdsvlm.Loader(docs, TOKENIZER, **settings)
+    resumed.load_state_dict(run[k][1])
+    resumed.set_epoch(0)
+    rest = list(resumed)
+    assert len(rest) == len(run) - k - 1
+    assert all(same_batch(a, b) for a, (b, _) in zip(rest, run[k + 1 :], strict=True))
+
+
+def test_an_evaluation_loader_gives_every_piece_once_and_equal_lengths_on_two_ranks(docs):
+    ranks = [
+        wdsvlm.Loader(
+            docs, TOKENIZER, num_workers=0, rank=r, world_size=2, evaluation=True, **SETTINGS
+        )
+        for r in range(2)
+    ]
+    expected = expected_pieces(ranks[0], docs)
+    seen, lengths = [], []
+    for loader in ranks:
+        batches = list(loader)
+        lengths.append((len(loader), len(batches)))
+        seen += [s for batch in batches for s in seen_in(batch)]
+    assert lengths[0] == lengths[1] and lengths[0][0] == lengths[0][1]
+    assert Counter((key, piece) for _, key, piece in seen) == expected
