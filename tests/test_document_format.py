@@ -5,6 +5,7 @@ written."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -63,3 +64,22 @@ def test_the_sidecar_keeps_each_samples_kind_and_elements_and_old_shards_are_con
     assert read.kind.tolist() == [0, 1, 2]
     only_conversations = Entries(pack_entries(entries[:1]), "y.idx")
     assert only_conversations.kind is None and list(only_conversations) == entries[:1]
+
+
+def test_a_merged_index_adds_up_the_parts_documents_captions_and_dropped_images(tmp_path):
+    from wdsvlm.format.index import INDEX_NAME
+    from wdsvlm.format.merge import merge_indexes
+    from wdsvlm.testing.documents import random_documents, write_documents
+
+    for n, seed in enumerate((1, 2)):
+        made = random_documents(6, seed=seed, words=(5, 30), caption_share=0.5)
+        part = write_documents(str(tmp_path / f"part-{n}"), made, per_shard=3)
+        with open(os.path.join(part, INDEX_NAME)) as f:
+            index = json.load(f)
+        index["totals"]["dropped_images"] = {"download_failed": n + 1}
+        with open(os.path.join(part, INDEX_NAME), "w") as f:
+            json.dump(index, f)
+    merged = merge_indexes(str(tmp_path), ["part-0", "part-1"], index_version=2)
+    totals = merged["totals"]
+    assert totals["documents"] + totals["captions"] == totals["samples"] == 12
+    assert totals["dropped_images"] == {"download_failed": 3}

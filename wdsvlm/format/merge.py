@@ -23,7 +23,19 @@ from ..storage.fs import exists, join
 from .builder import publish_root
 from .index import FORMAT, INDEX_NAME, load_index
 
-_SUMMED = ("samples", "bytes", "images", "videos", "text_only", "multi_image", "turns", "chars")
+_SUMMED = (
+    "samples",
+    "bytes",
+    "images",
+    "videos",
+    "text_only",
+    "multi_image",
+    "turns",
+    "chars",
+    "documents",
+    "captions",
+    "left_out_captions",
+)
 
 
 def merge_indexes(
@@ -93,11 +105,12 @@ def _totals(indexes: Sequence[dict]) -> dict:
         found = [index["totals"].get(key) for index in indexes]
         if any(v is not None for v in found):
             totals[key] = sum(v or 0 for v in found)
-    for key in ("sources", "skipped"):
+    for key in ("sources", "skipped", "dropped_images"):
         counts: Counter = Counter()
         for index in indexes:
             counts.update(index["totals"].get(key, {}))
-        totals[key] = dict(sorted(counts.items()))
+        if counts or key != "dropped_images":  # (as the writer: only where there are)
+            totals[key] = dict(sorted(counts.items()))
     return totals
 
 
