@@ -34,6 +34,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..format.conversation import detect_format
+from .documents import detect_layout
 from .inputs import iter_records, normalize
 from .parquet import is_parquet, iter_parquet, open_parquet, parquet_format
 from .shards import check_record
@@ -127,7 +128,7 @@ class RayEngine:
         try:
             for n, row in enumerate(self.inputs.iter_rows()):
                 if fmt is None:
-                    fmt = detect_format(row, "the Ray dataset")
+                    fmt = detect_layout(row) or detect_format(row, "the Ray dataset")
                     self.formats["the Ray dataset"] = fmt
                 root = self.image_root or "."
                 yield normalize(dict(row), fmt, f"dataset row {n}", "dataset", root)
