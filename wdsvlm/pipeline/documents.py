@@ -24,6 +24,14 @@ document kept. Concatenated in order, the pieces are the whole document's tokens
 is a sample of its own (``__piece__``: its number), with its images only: it packs, decodes
 and runs through the model as any sample, alone. An image's tokens depend on whether it is
 its sample's only one (LLaVA-OneVision), so they are those of the piece it is in.
+
+Where pieces go: a document's pieces leave the tokenizer one after another, in the worker
+that read the document, and the packing window then places them as any samples: in that
+worker's rows (so on one rank), not necessarily in consecutive rows or in order. Nothing
+needs more: each piece is a sequence of its own (its positions restart, its first token is
+not supervised), so no loss depends on another piece being next to it. What matters is that
+no piece is lost or trained on twice, at a pass's end or on resume: a piece not yet yielded
+is held by its place ``[pass, place, piece]`` in the saved state, and taken back alone.
 """
 
 from __future__ import annotations
