@@ -373,3 +373,32 @@ def test_mint1t_documents_load_as_the_same_documents_written_by_wdsvlm_write(tmp
         assert sorted(a) == sorted(b)
         for name in a:
             assert a[name].shape == b[name].shape and torch.equal(a[name], b[name]), name
+
+
+def test_written_documents_copied_without_their_index_are_indexed_as_written(tmp_path):
+    """Documents and captions that ``wdsvlm write`` wrote, their tars alone: ``auto`` finds
+    wdsvlm's own layout and the entries equal those the writer recorded (kind, elements,
+    texts' characters, image sizes, byte ranges)."""
+    (tmp_path / "images").mkdir()
+    records = []
+    for i in range(5):
+        photo(30 + 6 * i, 20 + 4 * i, seed=i).save(tmp_path / "images" / f"{i}.png")
+        texts = [f"document {i} begins", None, "and goes on " * (i + 1)]
+        records.append({"id": f"d{i}", "texts": texts, "images": [None, f"{i}.png", None]})
+    jsonl = str(tmp_path / "documents.jsonl")
+    with open(jsonl, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    written = str(tmp_path / "written")
+    wdsvlm.write_dataset(jsonl, written, image_root=str(tmp_path / "images"), progress=False)
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    for name in os.listdir(written):
+        if name.endswith(".tar"):
+            os.link(os.path.join(written, name), copied / name)
+    summary = index_tars(str(copied), show_progress=False)
+    assert summary.layout == "wdsvlm" and "kind/elements" in summary.detected
+    original, indexed = load_index(written), load_index(str(copied))
+    for a, b in zip(original["shards"], indexed["shards"], strict=True):
+        assert (a["name"], a["sha256"]) == (b["name"], b["sha256"])
+        assert list(a["entries"]) == list(b["entries"])
+    assert {e["kind"] for s in indexed["shards"] for e in s["entries"]} == {1}

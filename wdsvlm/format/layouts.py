@@ -265,11 +265,13 @@ def detect(samples: Sequence[Mapping[str, bytes]]) -> tuple[str, str]:
             if isinstance(doc, dict):
                 if is_mint1t(doc):
                     return "mint1t", "a json member with parallel 'texts' and 'images' lists"
-                if "messages" in doc and "id" in doc and "source" in doc and "." not in found:
+                own = "messages" in doc or ("kind" in doc and "elements" in doc)
+                if own and "id" in doc and "source" in doc and "." not in found:
                     # as the writer names them; bare ones (KEY.mp4) are converted
                     numbered = all(media_number(s) is not None for s in media.images + media.videos)
                     if numbered:
-                        return "wdsvlm", "a json member with wdsvlm's id/source/messages"
+                        what = "messages" if "messages" in doc else "kind/elements"
+                        return "wdsvlm", f"a json member with wdsvlm's id/source/{what}"
                 for field_ in ("conversations", "texts", "messages"):
                     if field_ in doc:
                         return "conversations", f"a json member with '{field_}'"

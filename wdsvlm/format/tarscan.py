@@ -3,7 +3,10 @@
 Members group into samples by key as webdataset groups them (``layouts.split_name``: a run
 of members of one key, in tar order). Per sample the entry records its byte range, its
 images' displayed sizes (read from the image headers, EXIF orientation applied, no decode)
-and the characters per turn of its conversation in the tars' ``layouts.Layout``. A sample
+and the characters per turn of its conversation in the tars' ``layouts.Layout``, or for a
+document or caption its kind and elements, from the members the reader will get (a layout of
+documents makes them first: MINT-1T's decodes its TIFF frames, and the images it leaves out
+are returned as ``dropped``). A sample
 that makes no entry is an ``InputError`` naming the shard and the key: a duplicate key, a
 member without a suffix, a sample its layout refuses, a tar that ends inside it or without
 its end-of-archive blocks. ``wdsvlm index`` writes what it finds as an index; ``scan_index``
