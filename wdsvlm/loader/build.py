@@ -19,13 +19,14 @@ from ..pipeline.pack import BalanceBatches, Pack
 from ..pipeline.plan import Plan, WorkerConfig
 from ..pipeline.read import ReadSamples
 from ..pipeline.shuffle import Shuffle
+from ..pipeline.sources import resolve_sources
 from ..pipeline.stats import SkipStats
 from ..pipeline.tokenize import Tokenize
 from ..pipeline.usermap import ImageMap, SampleMap, check_workers_get
 from ..storage.cache import ShardCache
 from .placement import LOCAL
 from .settings import LoaderSettings, resume_config
-from .sizing import estimate_batches, pass_batches
+from .sizing import estimate_batches, pass_batches, supervised_per_sample
 from .stream import Stream
 from .workers import (
     check_context,
@@ -74,25 +75,6 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         )
     )
     skips = SkipStats(settings.max_consecutive_failures)
-    plan = Plan(
-        source,
-        seed=settings.seed,
-        worker_config=worker_config,
-        span_bytes=settings.span_bytes,
-        span_samples=settings.span_samples,
-        storage_options=settings.storage_options,
-        read_policy=settings.read_policy,
-        samples_per_pass=settings.samples_per_pass,
-        evaluation=settings.evaluation,
-        version=settings.plan_version,
-    )
-    if plan.num_samples < worker_config.global_workers and not settings.evaluation:
-        raise ValueError(
-            f"{source}: {plan.num_samples} samples for {worker_config.global_workers} global "
-            f"workers (world_size {worker_config.world_size} x num_workers "
-            f"{settings.num_workers}); every worker needs at least one sample a pass: use "
-            "fewer workers"
-        )
     tokenize = Tokenize(
         family=family,
         chat_template=settings.chat_template,
@@ -109,6 +91,14 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         truncate=settings.truncate,
         unit=family.unit_name,
     )
+    plan = plan_of(source, tokenize, pack, settings, worker_config)
+    if plan.num_samples < worker_config.global_workers and not settings.evaluation:
+        raise ValueError(
+            f"{source}: {plan.num_samples} samples for {worker_config.global_workers} global "
+            f"workers (world_size {worker_config.world_size} x num_workers "
+            f"{settings.num_workers}); every worker needs at least one sample a pass: use "
+            "fewer workers"
+        )
     batches = epoch_batches(plan, tokenize, pack, settings, worker_config)
     if plan.schedule is not None:
         time_schedule(plan, tokenize, pack, settings, worker_config)
@@ -146,6 +136,10 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         chat_template=tokenize.chat_template,
         dataset=dataset_id(plan),
         schedule=None if plan.schedule is None else plan.schedule.spec(),
+        weight_by="tokens" if by_tokens(plan) else "samples",
+        supervised_per_sample=[s.supervised_per_sample for s in plan.sources]
+        if by_tokens(plan)
+        else None,
         shards_sha256=shards_sha256(plan),
         tokenizer=tokenize.fingerprint(videos=has_videos(plan)),
         batches_per_epoch=batches,
@@ -155,6 +149,38 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
     return LoaderParts(
         family, worker_config, plan, tokenize, stream, options, pad_token_id, batches, config
     )
+
+
+def plan_of(
+    source: Any, tokenize: Tokenize, pack: Pack, settings: LoaderSettings, config: WorkerConfig
+) -> Plan:
+    """The plan of the Loader's sources; with weights by tokens, each source's weight over its
+    supervised tokens per sample as the tokenizer makes them (``sizing.supervised_per_sample``,
+    the same on every rank)."""
+    sources, mixture, schedule = resolve_sources(
+        source,
+        settings.storage_options,
+        settings.read_policy,
+        settings.samples_per_pass,
+        weight_by=settings.weight_by,
+        supervised=lambda resolved: supervised_per_sample(resolved, tokenize, pack, settings),
+    )
+    return Plan(
+        sources,
+        seed=settings.seed,
+        worker_config=config,
+        span_bytes=settings.span_bytes,
+        span_samples=settings.span_samples,
+        evaluation=settings.evaluation,
+        version=settings.plan_version,
+        mixture=mixture,
+        schedule=schedule,
+    )
+
+
+def by_tokens(plan: Plan) -> bool:
+    """Whether the plan's weights are shares of the supervised tokens."""
+    return plan.sources[0].supervised_per_sample is not None
 
 
 # The shuffle buffer by default: 1000 samples, or as many as the bytes of 1000 samples of 60 KB

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from ..pipeline.pack import tiles_cv
 from ..pipeline.packer import budget_advice
 from ..pipeline.stats import SkipStats
+from ..pipeline.tokenize import IGNORE_INDEX
 
 
 @dataclass
@@ -23,6 +24,8 @@ class Yielded:
     tokens: int = 0
     tiles: int = 0
     sources: Counter = field(default_factory=Counter)
+    supervised: Counter = field(default_factory=Counter)
+    """A mixture's supervised tokens per source."""
 
     def count(self, batch: Mapping) -> None:
         self.packs += sum(1 for row in batch["sample_keys"] if row)
@@ -31,11 +34,32 @@ class Yielded:
         self.tiles += int(batch["image_tiles"].sum())
         for row in batch.get("sample_sources", ()):
             self.sources.update(row)
+        if "sample_sources" in batch:
+            self.supervised.update(supervised_by_source(batch))
+
+
+def supervised_by_source(batch: Mapping) -> Counter:
+    """A mixture's batch's supervised tokens (labels not ignored) per source: each row's
+    samples are its first segments (``cu_seqlens``), padding the segment after them."""
+    supervised = (batch["labels"] != IGNORE_INDEX).reshape(-1).cumsum(0).tolist()
+    ends = batch["cu_seqlens"].tolist()
+    length = batch["labels"].shape[-1]
+    out: Counter = Counter()
+    segment = 0
+    for r, row in enumerate(batch["sample_sources"]):
+        for name in row:
+            a, b = ends[segment], ends[segment + 1]
+            out[name] += supervised[b - 1] - (supervised[a - 1] if a else 0)
+            segment += 1
+        if ends[segment] < (r + 1) * length:  # the row's padding
+            segment += 1
+    return out
 
 
 def epoch_stats(yielded: Yielded, reports: Mapping[int, dict], max_length: int) -> dict:
     """The Loader's ``stats()``: fill ratio of the packed rows, samples and tiles per pack,
-    tiles-per-batch spread, a mixture's share of the samples per source, from ``yielded``;
+    tiles-per-batch spread, a mixture's share of the samples and of the supervised tokens per
+    source, from ``yielded``;
     and, all workers' latest ``reports`` together, drops, truncations and skipped samples
     (counts, and up to 10 ``"SHARD/KEY"`` per reason and worker)."""
     skips = SkipStats()
@@ -73,9 +97,19 @@ def epoch_stats(yielded: Yielded, reports: Mapping[int, dict], max_length: int) 
             if yielded.sources
             else {}
         ),
+        **(
+            {"sources_supervised": shares(yielded.supervised)}
+            if sum(yielded.supervised.values())
+            else {}
+        ),
         "skipped": dict(skips.counts),
         "skipped_examples": {k: list(v) for k, v in skips.examples.items()},
     }
+
+
+def shares(counts: Counter) -> dict[str, float]:
+    total = sum(counts.values())
+    return {k: n / total for k, n in sorted(counts.items())}
 
 
 def epoch_advice(

@@ -20,6 +20,7 @@ from typing import Any
 from ..format.containers import MAX_VIDEO_PIXELS, VIDEO_THREADS
 from ..pipeline.order import SPAN_BYTES, SPAN_SAMPLES
 from ..pipeline.plan import PLAN_VERSION, check_version
+from ..pipeline.token_weights import check_weight_by
 from ..storage.fs import ReadPolicy
 from .placement import LOCAL, check_workers
 from .workers import check_context
@@ -90,6 +91,9 @@ class LoaderSettings:
     """Samples a pass holds when every source of a mixture gives ``weight=`` (None: the
     sources' total; with a weight schedule, about 50 batches' worth). Checked on resume
     through the sources' shares of a pass."""
+    weight_by: str | None = _shapes(None)
+    """What a mixture's weights are shares of: ``"samples"`` or ``"tokens"`` (the supervised
+    tokens; ``pipeline/token_weights.py``); None: the mixture file's, else ``"samples"``."""
     image_token: str | None = _shapes(None)
     """The image token; None: the tokenizer's own, else ``<image>``."""
     chat_template: str | None = _shapes(None)
@@ -188,6 +192,8 @@ class LoaderSettings:
                 "is one whole pass, counted exactly"
             )
         check_version(self.plan_version)
+        if self.weight_by is not None:
+            check_weight_by(self.weight_by)
         if self.map_errors not in ("skip", "raise"):
             raise ValueError(f'map_errors must be "skip" or "raise", not {self.map_errors!r}')
         if self.max_tiles_per_batch is not None and self.max_tiles_per_batch < self.batch_size:
@@ -263,7 +269,14 @@ def fingerprint(value: Any) -> str:
 
 
 # What a saved state must agree with that is not a setting.
-_FACTS = ("dataset", "shards_sha256", "tokenizer", "batches_per_epoch", "schedule")
+_FACTS = (
+    "dataset",
+    "shards_sha256",
+    "tokenizer",
+    "batches_per_epoch",
+    "schedule",
+    "supervised_per_sample",
+)
 # facts a resume adopts from the saved run rather than checks
 _KEPT = ("batches_per_epoch", "schedule_clock")
 
@@ -291,6 +304,8 @@ _BEFORE_RECORDED = {
     "span_samples": None,
     "schedule": None,
     "plan_version": 2,
+    "weight_by": "samples",
+    "supervised_per_sample": None,
 }
 
 

@@ -26,6 +26,8 @@ from ..pipeline.packer import Packer
 from ..pipeline.plan import Plan, WorkerConfig
 from ..pipeline.read import ReadSamples
 from ..pipeline.stats import SkipStats
+from ..pipeline.token_weights import MEASURED_SHARDS, spread_shards, supervised_estimate
+from ..pipeline.tokenize import IGNORE_INDEX
 from ..storage.fs import is_transient
 
 log = logging.getLogger("wdsvlm.sizing")
@@ -87,27 +89,72 @@ def sample_numbers(plan: Plan, tokenize: Any, pack: Any, settings: Any) -> list[
     ]
     chosen = every[:: max(1, len(every) // 32)]
     per_text_token = characters_per_token(chosen, tokenize, settings)
-    tile_budget = pack.max_tiles_per_pack or 0
-    max_length = settings.max_length
     out = []
     for times, _, _, entry in every:  # each sample as often as a pass holds it
-        try:
-            images = tokenize.image_numbers(entry.get("images", []))
-        except UnusableImage:
-            continue  # skipped when it is read: an image the family refuses
-        videos = tokenize.video_numbers(entry.get("videos", []))
-        if videos is None:
-            continue  # skipped when it is read: a video the family cannot take
-        images += videos
-        n_tiles = sum(units for units, _ in images)
-        n_tokens = sum(t for _, t in images) + sum(entry.get("chars", [])) / per_text_token
-        if tile_budget and n_tiles > tile_budget:
-            continue  # dropped: more tiles than a pack holds
-        if n_tokens > max_length:
-            if not pack.truncate:
-                continue  # dropped
-            n_tokens = max_length * 0.75
-        out.append((times, n_tokens, n_tiles))
+        if entry.get("kind"):  # a document or caption: each of its pieces
+            pieces = tokenize.documents.estimated(entry, per_text_token)
+            out += [(times, tokens, units) for tokens, units in pieces]
+            continue
+        packed = packed_numbers(entry, tokenize, pack, settings, per_text_token)
+        if packed is not None:
+            out.append((times, *packed[:2]))
+    return out
+
+
+def packed_numbers(
+    entry: dict, tokenize: Any, pack: Any, settings: Any, per_text_token: float
+) -> tuple[float, int, float] | None:
+    """``(tokens, vision units, share of its tokens kept)`` a sample is packed with, estimated
+    from its index ``entry`` (text at ``per_text_token`` characters a token; a truncated
+    sample as 3/4 of a row), or None where it is skipped or dropped."""
+    try:
+        images = tokenize.image_numbers(entry.get("images", []))
+    except UnusableImage:
+        return None  # skipped when it is read: an image the family refuses
+    videos = tokenize.video_numbers(entry.get("videos", []))
+    if videos is None:
+        return None  # skipped when it is read: a video the family cannot take
+    images += videos
+    n_tiles = sum(units for units, _ in images)
+    n_tokens = sum(t for _, t in images) + sum(entry.get("chars", [])) / per_text_token
+    tile_budget, max_length = pack.max_tiles_per_pack or 0, settings.max_length
+    if tile_budget and n_tiles > tile_budget:
+        return None  # dropped: more tiles than a pack holds
+    if n_tokens > max_length:
+        if not pack.truncate:
+            return None  # dropped
+        return max_length * 0.75, n_tiles, max_length * 0.75 / n_tokens
+    return n_tokens, n_tiles, 1.0
+
+
+# Samples of each source read and tokenized to calibrate its supervised tokens per sample.
+CALIBRATION_SAMPLES = 32
+
+
+def supervised_per_sample(sources: list, tokenize: Any, pack: Any, settings: Any) -> list[float]:
+    """Each source's mean supervised tokens per sample as its batches will hold them, for
+    weights by tokens (``pipeline/token_weights.py``): the index's estimate of every entry of
+    the measured shards (0 for a sample that packing drops, 3/4 of it for one it truncates),
+    times the source's calibration: the supervised tokens (labels not ignored) of up to
+    ``CALIBRATION_SAMPLES`` of those samples, spread evenly, read and tokenized, over their
+    estimate. The same samples on every rank: the same numbers, with no collective call."""
+    out = []
+    for source in sources:
+        entries = [(s, e) for s, _, part in measured_shards(source) for e in part]
+        chosen = [(1, source, s, e) for s, e in entries[:: max(1, len(entries) // 32)]]
+        samples = encoded(chosen[:CALIBRATION_SAMPLES], tokenize, settings)
+        labelled = sum(int((s["labels"] != IGNORE_INDEX).sum()) for s in samples)
+        estimated = sum(supervised_estimate(s["__meta__"]) for s in samples)
+        if not samples or not estimated:
+            log.warning("%s: no sample read to calibrate its supervised tokens", source.name)
+        calibration = labelled / estimated if samples and estimated else 1.0
+        per_text_token = chars_per_token_of(samples, tokenize)
+        total = 0.0
+        for _, entry in entries:
+            packed = packed_numbers(entry, tokenize, pack, settings, per_text_token)
+            if packed is not None:  # dropped: 0
+                total += supervised_estimate(entry) * packed[2]
+        out.append(calibration * total / max(1, len(entries)))
     return out
 
 
@@ -148,24 +195,16 @@ def pass_batches(
     return sum(packs) / len(packs) * worker_config.workers_per_rank / settings.batch_size
 
 
-MEASURED_SHARDS = 64
-
-
 def measured_shards(source: Any) -> list[tuple[int, float, list]]:
     """``(shard number, scale, its entries)`` of the shards that stand for the source in the
     estimate: all of them (scale 1), or ``MEASURED_SHARDS`` spread evenly over the index's
-    shard list (the same ones on every rank), scaled up to the source's sample count. A shard
-    whose sidecar is missing or malformed is left out (reading it will count its samples as
-    skipped, or fail, as ``on_shard_error`` says); one that could not be read for transient
-    faults is an error (``met_alike``)."""
+    shard list (``token_weights.spread_shards``: the same ones on every rank), scaled up to the
+    source's sample count. A shard whose sidecar is missing or malformed is left out (reading
+    it will count its samples as skipped, or fail, as ``on_shard_error`` says); one that could
+    not be read for transient faults is an error (``met_alike``)."""
     shards = source.index["shards"]
-    if len(shards) <= MEASURED_SHARDS:
-        picked = list(range(len(shards)))
-    else:
-        step = len(shards) / MEASURED_SHARDS
-        picked = sorted({int(i * step) for i in range(MEASURED_SHARDS)})
     readable = []
-    for s in picked:
+    for s in spread_shards(len(shards), MEASURED_SHARDS):
         try:
             readable.append((s, list(shards[s]["entries"])))
         except (ShardFormatError, StorageError) as e:
@@ -180,8 +219,25 @@ def measured_shards(source: Any) -> list[tuple[int, float, list]]:
 def characters_per_token(chosen: list[tuple], tokenize: Any, settings: Any) -> float:
     """Characters of text (the index's ``chars``) per text token, template included,
     measured on the ``(times, source, shard number, entry)`` of ``chosen``; 3.5 when none of
-    them can be read. A sample that cannot be read is left out if every rank fails on it
-    alike (``met_alike``)."""
+    them can be read (``encoded``)."""
+    return chars_per_token_of(encoded(chosen, tokenize, settings), tokenize)
+
+
+def chars_per_token_of(samples: list[dict], tokenize: Any) -> float:
+    """Characters of text per text token of tokenized ``samples``; 3.5 without any."""
+    chars = text = 0
+    for sample in samples:
+        sizes = sample["__meta__"].get("images", [])
+        videos = tokenize.video_numbers(sample["__meta__"].get("videos", [])) or []
+        image_tokens = sum(tokens for _, tokens in tokenize.image_numbers(sizes) + videos)
+        chars += sum(sample["__meta__"].get("chars", []))
+        text += sample["num_tokens"] - image_tokens
+    return chars / text if chars and text else 3.5
+
+
+def encoded(chosen: list[tuple], tokenize: Any, settings: Any) -> list[dict]:
+    """The ``(times, source, shard number, entry)`` of ``chosen`` read and tokenized. A sample
+    that cannot be read is left out if every rank fails on it alike (``met_alike``)."""
     spans = [
         span(
             source.urls[s],
@@ -207,11 +263,4 @@ def characters_per_token(chosen: list[tuple], tokenize: Any, settings: Any) -> f
 
     with ThreadPoolExecutor(8) as pool:  # small reads: at once, not one round trip each
         samples = [s for part in pool.map(samples_of, spans) for s in part]
-    chars = text = 0
-    for sample in tokenize.encode(samples, stats=quiet):
-        sizes = sample["__meta__"].get("images", [])
-        videos = tokenize.video_numbers(sample["__meta__"].get("videos", [])) or []
-        image_tokens = sum(tokens for _, tokens in tokenize.image_numbers(sizes) + videos)
-        chars += sum(sample["__meta__"].get("chars", []))
-        text += sample["num_tokens"] - image_tokens
-    return chars / text if chars and text else 3.5
+    return list(tokenize.encode(samples, stats=quiet))

@@ -97,6 +97,7 @@ def chunk_size(source: DataSource, span_bytes: int, span_samples: int | None) ->
     part is its own ranged read (``KeyedOrder.pieces``), so nothing depends on the count."""
     shards = max(1, len(source.sample_ends) - 1)
     m = max(1, span_bytes * source.size // max(1, source.bytes))
+    span_samples = source.chunk_cap(span_samples)  # smaller for a source heavy in tokens
     if span_samples is not None:
         m = min(m, span_samples)
     return max(1, min(m, source.size // shards))

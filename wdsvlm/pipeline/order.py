@@ -220,6 +220,7 @@ def _chunks(source: DataSource, span_bytes: int, span_samples: int | None = None
     """``(shard, first entry, stop)`` of each chunk of the source, in shard order: runs of
     neighbouring samples of about ``span_bytes`` and at most ``span_samples`` samples."""
     samples, per_chunk = chunk_samples(source, span_bytes)
+    span_samples = source.chunk_cap(span_samples)
     if span_samples is not None:
         per_chunk = np.minimum(per_chunk, span_samples)
     per_chunk = np.minimum(per_chunk, np.maximum(1, samples))  # the same chunks, in int32

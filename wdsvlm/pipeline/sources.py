@@ -17,6 +17,9 @@ alone (``pass_counts``), so it is the same on every topology:
   sources' total), split by weight with the same rounding, each share drawn as ``choose``.
 - ``weight=[(batch, w), ...]`` with ``schedule="linear"`` or ``"step"``: a weight that follows
   the training Loader's batch count, pass by short pass (``schedule.py``).
+- ``weight_by="tokens"`` (the mixture's, in its file or the Loader's setting): the weights are
+  shares of the supervised tokens, each made a sample weight over the source's mean
+  supervised tokens per sample (``token_weights.py``), the same number in every process.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import logging
 import math
 import numbers
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -39,6 +42,7 @@ from ..format.table import ShardTable
 from ..format.tarscan import scan_index
 from ..storage.fs import join
 from .schedule import Schedule, check_points
+from .token_weights import by_tokens, check_weight_by
 
 log = logging.getLogger("wdsvlm.mixture")
 
@@ -162,10 +166,10 @@ def is_mixture_file(path: Any) -> bool:
 
 def load_mixture(
     path: str, storage_options: Mapping[str, Any] | None = None
-) -> tuple[list[Source], int | None]:
-    """The sources and ``samples_per_pass`` of a mixture file: ``{"sources": [{"path": ...,
-    "repeat": ...}, ...], "samples_per_pass": ...}`` in YAML or JSON, any fsspec URL; source
-    paths relative to the file's folder."""
+) -> tuple[list[Source], int | None, str | None]:
+    """The sources, ``samples_per_pass`` and ``weight_by`` of a mixture file: ``{"sources":
+    [{"path": ..., "repeat": ...}, ...], "samples_per_pass": ..., "weight_by": ...}`` in YAML
+    or JSON, any fsspec URL; source paths relative to the file's folder."""
     import fsspec
 
     try:
@@ -184,7 +188,7 @@ def load_mixture(
         raise ValueError(f"{path}: not a valid mixture file: {e}") from e
     if not isinstance(spec, dict) or not isinstance(spec.get("sources"), list):
         raise ValueError(f'{path}: a mixture file holds {{"sources": [...]}}, not {spec!r:.200}')
-    unknown = set(spec) - {"sources", "samples_per_pass"}
+    unknown = set(spec) - {"sources", "samples_per_pass", "weight_by"}
     if unknown:
         raise ValueError(f"{path}: unknown mixture fields {sorted(unknown)}")
     folder = path.rsplit("/", 1)[0] if "/" in path else "."
@@ -202,7 +206,10 @@ def load_mixture(
     per_pass = spec.get("samples_per_pass")
     if per_pass is not None and (isinstance(per_pass, bool) or not isinstance(per_pass, int)):
         raise ValueError(f"{path}: samples_per_pass must be a whole number, not {per_pass!r}")
-    return sources, per_pass
+    weight_by = spec.get("weight_by")
+    if weight_by is not None:
+        check_weight_by(weight_by, f"{path}: weight_by")
+    return sources, per_pass, weight_by
 
 
 def _relative(folder: str, path: Any) -> Any:
@@ -223,6 +230,20 @@ class DataSource:
     copies: int = 1
     extra: int = 0
     storage_options: Mapping[str, Any] | None = None
+    supervised_per_sample: float | None = None
+    """With weights by tokens: the mean supervised tokens per sample its weight was divided by
+    (``token_weights.py``); None with weights by samples."""
+    span_share: float = 1.0
+    """The share of ``span_samples`` a chunk of it holds at most: with weights by tokens, a
+    chunk holds no more supervised tokens than one of the lightest source (``chunk_cap``)."""
+
+    def chunk_cap(self, span_samples: int | None) -> int | None:
+        """The most samples a chunk of this source holds, the plan's cap being
+        ``span_samples``: a source heavy in supervised tokens comes in smaller chunks, so that
+        the pass's even interleaving of visits is even in tokens too."""
+        if span_samples is None or self.span_share >= 1:
+            return span_samples
+        return max(1, int(span_samples * self.span_share))
 
     @cached_property
     def sample_ends(self) -> np.ndarray:
@@ -304,15 +325,20 @@ def resolve_sources(
     storage_options: Mapping[str, Any] | None = None,
     policy=None,
     samples_per_pass: int | None = None,
-) -> tuple[list[DataSource], bool]:
-    """The plan's sources, each with its index, URLs and share of a pass, and whether they
-    form a mixture (keys then name their source). ``source``: a dataset folder or URL, tar
-    URLs (a brace pattern or a list), a ``Source``, a list of ``Source``, or a mixture file
-    (``.yaml``, ``.yml``, ``.json``)."""
-    mixture = True
+    weight_by: str | None = None,
+    supervised: Callable[[list[DataSource]], list[float]] | None = None,
+) -> tuple[list[DataSource], bool, Schedule | None]:
+    """The plan's sources, each with its index, URLs and share of a pass, whether they form a
+    mixture (keys then name their source), and their weight schedule if any. ``source``: a
+    dataset folder or URL, tar URLs (a brace pattern or a list), a ``Source``, a list of
+    ``Source``, or a mixture file (``.yaml``, ``.yml``, ``.json``). ``weight_by``: what the
+    weights are shares of (None: the mixture file's, else ``"samples"``); by ``"tokens"``,
+    ``supervised`` gives each source's mean supervised tokens per sample (default: its index's
+    estimate, ``token_weights.index_supervised``)."""
+    mixture, from_file = True, None
     if is_mixture_file(source):
-        sources, from_file = load_mixture(source, storage_options)
-        samples_per_pass = samples_per_pass if samples_per_pass is not None else from_file
+        sources, per_pass, from_file = load_mixture(source, storage_options)
+        samples_per_pass = samples_per_pass if samples_per_pass is not None else per_pass
     elif isinstance(source, Source):
         sources = [source]
     elif not isinstance(source, str) and any(isinstance(s, Source) for s in source):
@@ -329,6 +355,8 @@ def resolve_sources(
         options = s.storage_options if s.storage_options is not None else storage_options
         index, urls = resolve_source(s.path, options, policy)
         resolved.append(DataSource(s.name, index, urls, storage_options=options))
+    if check_weight_by(weight_by or from_file or "samples") == "tokens":
+        sources = by_tokens(sources, resolved, supervised)
     sizes = [r.size for r in resolved]
     schedule = schedule_of(sources, sizes, samples_per_pass)
     if schedule is not None:

@@ -1,0 +1,146 @@
+"""Mixture weights by tokens: each source's share of the supervised tokens (labels not
+ignored) follows its weight, from an estimate every process computes alike from the index and
+the tokenizer; the estimate of an entry of each kind; mixture files; resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+import wdsvlm
+from wdsvlm import Source
+from wdsvlm.loader.report import supervised_by_source
+from wdsvlm.pipeline.plan import Plan
+from wdsvlm.pipeline.sources import resolve_sources
+from wdsvlm.pipeline.token_weights import supervised_estimate, supervised_text
+from wdsvlm.testing.conversations import conversation_dataset
+
+from .conftest import EXAMPLE, REPO
+
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from measure_token_shares import SHAPES, WEIGHTS, worst_windows  # noqa: E402
+
+TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
+
+
+def test_an_entrys_supervised_text_is_its_answers_or_its_documents_texts():
+    """A conversation's answers are its last turn and every second one before it (a system
+    turn first or not), each with its end-of-turn token; a document's or caption's every text
+    element (never an image), a caption with its end token; an entry without a kind is a
+    conversation."""
+    assert supervised_text({"chars": [40, 7, 30, 9]}) == (16, 2)  # user, answer, user, answer
+    assert supervised_text({"chars": [100, 40, 7, 30, 9]}) == (16, 2)  # a system turn first
+    assert supervised_text({"kind": 0, "chars": [5, 11]}) == (11, 1)
+    document = {"kind": 1, "chars": [12, 30], "elements": [12, -1, 30, -1]}
+    assert supervised_text(document) == (42, 0)
+    assert supervised_text({"kind": 2, "chars": [25], "elements": [-1, 25]}) == (25, 1)
+    assert supervised_estimate({"kind": 2, "chars": [35], "elements": [-1, 35]}) == 11.0
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    """Three conversation datasets of very different supervised tokens per sample."""
+    folder = str(tmp_path_factory.mktemp("token-weights"))
+    return {
+        name: conversation_dataset(folder, name, 1200, turns, answer, samples_per_shard=300)
+        for name, (turns, answer) in SHAPES.items()
+    }
+
+
+def sources(three, weights=WEIGHTS):
+    return [Source(three[name], name=name, weight=w) for name, w in weights.items()]
+
+
+def test_token_weights_divide_each_sources_weight_by_its_supervised_tokens_per_sample(three):
+    """A pass's samples of each source are its weight over its supervised tokens per sample
+    (the index's estimate here, with no tokenizer), so the pass holds the weights' shares
+    of the estimated tokens; weighted by samples, it holds the weights' shares of samples."""
+    by_samples = resolve_sources(sources(three))[0]
+    by_tokens = resolve_sources(sources(three), weight_by="tokens")[0]
+    per_pass = {s.name: s.per_pass for s in by_samples}
+    assert per_pass == {"short": 1800, "medium": 1080, "long": 720}
+    tokens = {s.name: s.per_pass * s.supervised_per_sample for s in by_tokens}
+    total = sum(tokens.values())
+    for name, weight in WEIGHTS.items():  # but for whole samples: about 65 of the long one
+        assert tokens[name] / total == pytest.approx(weight, abs=0.005)
+    assert abs(sum(s.per_pass for s in by_tokens) - 3600) <= 1  # as many samples, rounded
+    assert [s.chunk_cap(32) for s in by_tokens] == [32, 3, 1]  # chunks of like tokens
+
+
+def test_weight_by_tokens_needs_a_weight_on_every_source_and_a_known_spelling(three, tmp_path):
+    with pytest.raises(ValueError, match="goes with weight= on every source"):
+        resolve_sources([Source(three["short"]), Source(three["long"])], weight_by="tokens")
+    with pytest.raises(ValueError, match="weight_by must be one of"):
+        wdsvlm.Loader(sources(three), TOKENIZER, weight_by="words")
+    path = tmp_path / "mixture.json"
+    path.write_text(json.dumps({"sources": [{"path": three["short"]}], "weight_by": "chars"}))
+    with pytest.raises(ValueError, match=f"{path}: weight_by must be one of"):
+        Plan(str(path))
+
+
+def run(loader, batches):
+    """The first ``batches`` batches' supervised tokens per source, epoch after epoch."""
+    out, epoch = [], 0
+    while len(out) < batches:
+        loader.set_epoch(epoch)
+        for batch in loader:
+            out.append(dict(supervised_by_source(batch)))
+            if len(out) == batches:
+                break
+        epoch += 1
+    return out
+
+
+def test_the_batches_hold_each_sources_token_share_of_the_supervised_tokens(three):
+    """Weights 0.5 / 0.3 / 0.2 by tokens over sources of about 13, 124 and 548 supervised
+    tokens a sample: over 150 batches of 4 x 1024 the batches' supervised tokens (labels not
+    ignored) are within 1 point of the weights. A window of 50 batches holds about 33 samples
+    of the long source, whose count the shuffle buffer's draws and the packing window vary by
+    about its square root (about 3.5 points of share): every window (sliding by 10) is within
+    6 points (`scripts/measure_token_shares.py` measures 200 batches of 8 x 2048). Weighted by
+    samples, the same weights give the long source about 72% of the supervised tokens."""
+    loader = wdsvlm.Loader(
+        sources(three), TOKENIZER, max_length=1024, batch_size=4, weight_by="tokens"
+    )
+    per_batch = run(loader, 150)
+    every = {name: sum(b.get(name, 0) for b in per_batch) for name in WEIGHTS}
+    total = sum(every.values())
+    for name, weight in WEIGHTS.items():
+        assert every[name] / total == pytest.approx(weight, abs=0.01), every
+    worst = worst_windows(per_batch, WEIGHTS, 50)
+    assert max(abs(off) for off, _ in worst.values()) < 0.06, worst
+    shares = loader.stats()["sources_supervised"]  # this epoch's, as the batches held them
+    assert set(shares) == set(WEIGHTS) and sum(shares.values()) == pytest.approx(1.0)
+
+
+def test_a_mixture_file_weighs_by_tokens_as_the_loader_setting_does(three, tmp_path):
+    items = [{"path": three[n], "name": n, "weight": w} for n, w in WEIGHTS.items()]
+    path = tmp_path / "mixture.yaml"
+    path.write_text(json.dumps({"sources": items, "weight_by": "tokens"}))
+    options = {"max_length": 1024, "batch_size": 4}
+    from_file = wdsvlm.Loader(str(path), TOKENIZER, **options)
+    given = wdsvlm.Loader(sources(three), TOKENIZER, weight_by="tokens", **options)
+    assert [s.per_pass for s in from_file.plan.sources] == [s.per_pass for s in given.plan.sources]
+    assert from_file.plan.sources[0].supervised_per_sample is not None
+
+
+def test_a_state_saved_weighing_by_tokens_resumes_exactly_and_not_by_samples(three):
+    """The estimate is part of the resume check: the same numbers are worked out again, and
+    the next batches are the very ones; a Loader weighing by samples refuses the state."""
+    options = {"max_length": 1024, "batch_size": 4, "weight_by": "tokens"}
+    loader = wdsvlm.Loader(sources(three), TOKENIZER, **options)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    state = loader.state_dict()
+    following = [next(batches)["input_ids"] for _ in range(2)]
+    again = wdsvlm.Loader(sources(three), TOKENIZER, **options)
+    again.load_state_dict(state)
+    resumed = iter(again)
+    assert all(bool((next(resumed)["input_ids"] == ids).all()) for ids in following)
+    by_samples = wdsvlm.Loader(sources(three), TOKENIZER, max_length=1024, batch_size=4)
+    with pytest.raises(ValueError, match="weight_by 'tokens' -> 'samples'"):
+        by_samples.load_state_dict(state)
