@@ -250,8 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect",
         help="print a few samples and draw them on a contact sheet",
         description="Print samples as stored (key, images with sizes and tiles, videos with "
-        "their frames and rate, each turn, token counts with --tokenizer or --processor) and "
-        "write a contact sheet PNG: each sample's images and video frames beside its turns.",
+        "their frames and rate, each turn, token counts with --tokenizer or --processor; a "
+        "document's or caption's texts with each image in its place, and with --max-length "
+        "where the Loader cuts it into pieces) and write a contact sheet PNG: each sample's "
+        "images and video frames beside its turns or text.",
     )
     inspect.add_argument(
         "source", metavar="SOURCE", help="dataset folder or URL, or a mixture file (.yaml, .json)"
@@ -267,6 +269,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="P",
         help="count tokens as this Hugging Face processor's family does (name or folder, or "
         "tiny:FAMILY), and show the frames it samples of each video",
+    )
+    inspect.add_argument(
+        "--max-length",
+        type=positive,
+        metavar="L",
+        help="with --tokenizer or --processor: show where a document or caption is cut into "
+        "pieces of at most L tokens, as the Loader's max_length cuts it",
+    )
+    inspect.add_argument(
+        "--max-tiles-per-pack",
+        type=positive,
+        metavar="N",
+        help="with --tokenizer or --processor: the vision budget of a piece, as the Loader's "
+        "max_tiles_per_pack (default: no limit)",
     )
     pipeline_options(inspect)
     common_options(inspect)

@@ -137,6 +137,8 @@ def inspect(args: argparse.Namespace) -> None:
         tokens_per_tile=args.tokens_per_tile,
         storage_options=args.storage_options,
         processor=None if args.processor is None else bench_processor(args.processor),
+        max_length=args.max_length,
+        max_units=args.max_tiles_per_pack,
     )
     print("\n\n".join(view.describe() for view in views))
     if args.tokenizer is None and args.processor is None:
@@ -194,6 +196,10 @@ def stats(args: argparse.Namespace) -> None:
         paths = histograms(found.tokens, found.tiles, args.max_length, args.out)
         paths.append(os.path.join(args.out, "batches.png"))
         batch_picture(found.picture, args.max_length, naive, paths[-1])
+        if found.documents:
+            from .pictures import document_histograms
+
+            paths.append(document_histograms(found.documents, args.out))
     if args.json:
         print(json.dumps({**found.as_dict(), "pictures": paths}, indent=2))
         return

@@ -19,6 +19,7 @@ from ..format.videos import video_members
 from ..pipeline.packer import Packer, budget_advice, suggest_budget
 from ..pipeline.stats import SkipStats
 from ..progress import progress
+from .document_stats import OVER_BUDGET, DocumentTally, table_rows
 from .samples import token_kinds
 
 log = logging.getLogger("wdsvlm.stats")
@@ -59,6 +60,10 @@ class DatasetStats:
     advice: str | None = None
     """Where the vision budget binds: how much it costs and a budget that does not bind
     (``packer.budget_advice``, measured by packing the same samples)."""
+    documents: dict = field(default_factory=dict)
+    """Of the documents and captions read (``document_stats.DocumentTally.as_dict``): their
+    characters, tokens, images and pieces, and the images dropped; empty without any."""
+    max_units: int | None = None
 
     @property
     def samples(self) -> int:
@@ -90,6 +95,7 @@ class DatasetStats:
             "samples_per_pack": self.samples_per_pack,
             **({"sources": self.per_source} if self.per_source else {}),
             **({"advice": self.advice} if self.advice else {}),
+            **({"documents": self.documents} if self.documents else {}),
         }
 
     def table(self) -> str:
@@ -145,6 +151,11 @@ class DatasetStats:
                     f"{n['tokens']} tokens",
                 )
             )
+        if self.documents:
+            cut = f"at max_length {self.max_length}"
+            if self.max_units is not None:
+                cut += f", {self.max_units} {self.unit_name} a piece"
+            rows += table_rows(self.documents, cut)
         if self.advice:
             rows.append(("vision budget", self.advice))
         width = max(len(name) for name, _ in rows)
@@ -191,7 +202,9 @@ def dataset_stats(
     """Read ``source`` (all of it, or its first ``limit`` samples in a seeded shuffled shard
     order), tokenize it as the loader does (tile counts from the index: no image is decoded;
     with a ``processor``, as its family does, videos included) and pack it with the loader's
-    packer at ``max_length``.
+    packer at ``max_length``. A document or caption is cut into pieces as the Loader cuts it
+    (at ``max_length`` and ``max_tiles_per_pack``), each piece a sample; ``documents`` gives
+    their figures (``document_stats``).
 
     Padding is compared over the samples that fit: naive pad-to-longest batches of
     ``batch_size`` in shuffled order, every sample padded to ``max_length``, and wdsvlm's
@@ -205,13 +218,15 @@ def dataset_stats(
 
     config = image_config or ImageConfig()
     skips = SkipStats(max_consecutive=sys.maxsize)  # count every bad sample: no cap here
+    pieces = {"max_length": max_length, "max_units": max_tiles_per_pack}  # as the Loader's
+    documents = DocumentTally()
     if processor is not None:
         from ..families.registry import family_of
 
-        tokenize = Tokenize(family=family_of(processor), stats=skips)
+        tokenize = Tokenize(family=family_of(processor), stats=skips, **pieces)
     else:
         tokenize = Tokenize(
-            tokenizer, tokens_per_tile=tokens_per_tile, image_config=config, stats=skips
+            tokenizer, tokens_per_tile=tokens_per_tile, image_config=config, stats=skips, **pieces
         )
     video_token = tokenize.video_token_id
     videos = {"videos": 0, "units": 0, "tokens": 0}
@@ -247,6 +262,8 @@ def dataset_stats(
                     len(tokenize.video.token_ids(info)) for info in tokenize.videos_of(sample)
                 )
             supervised += int((sample["labels"] != IGNORE_INDEX).sum())
+            if "__piece__" in sample:
+                documents.add(sample)
             if len(picture) < picture_samples:
                 picture.append(token_kinds(sample, tokenize.image_token_id, video_token))
             del sample["input_ids"], sample["labels"]  # only sizes are needed from here
@@ -291,7 +308,7 @@ def dataset_stats(
         tiles=np.asarray(tiles, dtype=np.int64),
         images=images,
         supervised=supervised,
-        skipped=dict(skips.counts),
+        skipped={r: n for r, n in skips.counts.items() if r != OVER_BUDGET},  # not bad data
         dropped=dropped,
         padding=padding,
         packs=packs.packs,
@@ -301,6 +318,12 @@ def dataset_stats(
         videos=videos,
         unit_name=tokenize.family.unit_name,
         advice=advice,
+        documents=(
+            documents.as_dict(skips.counts, [s.index.get("totals", {}) for s in plan.sources])
+            if len(documents)
+            else {}
+        ),
+        max_units=max_tiles_per_pack,
     )
 
 

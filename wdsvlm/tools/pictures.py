@@ -123,6 +123,7 @@ def contact_sheet(views: Sequence[SampleView], path: str) -> tuple[int, int]:
     font, bold = _font(14), _font(15)
     pictures_width, pad, line_height = 440, 10, 18
     text_x = pictures_width + 2 * pad
+    text_width = SHEET_WIDTH - text_x - pad
     for row, view in enumerate(views):
         top = row * SHEET_ROW
         if row:
@@ -153,9 +154,12 @@ def contact_sheet(views: Sequence[SampleView], path: str) -> tuple[int, int]:
         lines = [(title, bold, "black")]
         if view.problem:
             lines.append((f"PROBLEM: {view.problem}", font, "#c44e52"))
+        if view.document is not None:  # a document's text, each image marked in its place
+            text = f"{view.document.kind}: {view.document.text()}"
+            lines += [(line, font, "#1f3f7f") for line in _wrapped(text, font, text_width)]
         for m in view.messages:
             colour = "#1f5f2f" if m["role"] == "assistant" else "#1f3f7f"
-            for line in _wrapped(f"{m['role']}: {m['content']}", font, SHEET_WIDTH - text_x - pad):
+            for line in _wrapped(f"{m['role']}: {m['content']}", font, text_width):
                 lines.append((line, font, colour))
         fits = (SHEET_ROW - 2 * pad) // line_height
         if len(lines) > fits:
@@ -212,6 +216,32 @@ def histograms(tokens: np.ndarray, tiles: np.ndarray, max_length: int, folder: s
     paths.append(os.path.join(folder, "tiles.png"))
     _save(fig, paths[-1])
     return paths
+
+
+def document_histograms(documents: dict, folder: str) -> str:
+    """``documents.png`` in ``folder`` (``HISTOGRAM_SIZE`` pixels): documents by their
+    pieces (left) and by their images (right), from ``stats``'s figures of the documents and
+    captions read (``document_stats.DocumentTally.as_dict``); returns its path."""
+    plt = pyplot()
+    figsize = (HISTOGRAM_SIZE[0] / _DPI, HISTOGRAM_SIZE[1] / _DPI)
+    fig, axes = plt.subplots(1, 2, figsize=figsize, dpi=_DPI)
+    count = documents["documents"] + documents["captions"]
+    for ax, name, what, colour in (
+        (axes[0], "pieces_per_document", "pieces", _COLOURS[2]),
+        (axes[1], "images_per_document", "images", _COLOURS[3]),
+    ):
+        counts = {int(k): n for k, n in documents[name]["counts"].items()}
+        ax.bar(list(counts), list(counts.values()), color=colour, width=0.8)
+        ax.yaxis.get_major_locator().set_params(integer=True)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set(
+            xlabel=f"{what} per document",
+            ylabel="documents",
+            title=f"{what.capitalize()} per document ({count} documents)",
+        )
+    path = os.path.join(folder, "documents.png")
+    _save(fig, path)
+    return path
 
 
 def _row(kinds: np.ndarray, shade: int) -> np.ndarray:

@@ -15,7 +15,9 @@ import numpy as np
 from ..families.tiling import ImageConfig, tile_count, tile_grid
 from ..format.images import image_members
 from ..format.videos import VideoInfo, video_members
+from ..pipeline.documents import parse_record
 from ..pipeline.stats import SkipStats
+from .documents import DocumentView, checked_elements, document_view, untokenized_view
 
 log = logging.getLogger("wdsvlm.inspect")
 
@@ -114,9 +116,12 @@ class SampleView:
     tokens: dict[str, int] | None = None  # whole sample: total, image, text, supervised
     problem: str | None = None  # why the loader would skip it (invalid JSON, ...)
     videos: list[VideoView] = field(default_factory=list)
+    document: DocumentView | None = None  # a document's or caption's elements and pieces
 
     def describe(self, max_chars: int = 400) -> str:
         lines = [f"{self.key}  ({self.shard})"]
+        if self.document is not None:
+            return "\n".join(lines + self.document.lines(max_chars) + self._totals())
         for i, (size, tiles, grid) in enumerate(
             zip(self.sizes, self.tiles, self.grids, strict=True)
         ):
@@ -132,16 +137,19 @@ class SampleView:
                 text = text[:max_chars] + f"... ({len(m['content']) - max_chars} more chars)"
             count = f", {self.turn_tokens[i]} tokens" if self.turn_tokens else ""
             lines.append(f"  [{m['role']}{count}] " + text.replace("\n", "\n    "))
-        if self.problem:
-            lines.append(f"  PROBLEM: {self.problem}")
+        return "\n".join(lines + self._totals())
+
+    def _totals(self) -> list[str]:
+        lines = [f"  PROBLEM: {self.problem}"] if self.problem else []
         if self.tokens:
             t = self.tokens
+            pieces = self.document.pieces if self.document is not None else ()
             lines.append(
                 f"  tokens: {t['total']} ({t['image']} {'vision' if self.videos else 'image'}, "
-                f"{t['text']} text, "
-                f"{t['supervised']} supervised)"
+                f"{t['text']} text, {t['supervised']} supervised)"
+                + (f" in {len(pieces)} pieces" if len(pieces) > 1 else "")
             )
-        return "\n".join(lines)
+        return lines
 
 
 def inspect_samples(
@@ -154,10 +162,15 @@ def inspect_samples(
     tokens_per_tile: int = 64,
     storage_options: Mapping[str, Any] | None = None,
     processor: Any = None,
+    max_length: int | None = None,
+    max_units: int | None = None,
 ) -> list[SampleView]:
     """The first ``n`` samples of ``source`` (or those with ``keys``), read by their index
     offsets; with a ``tokenizer`` or a ``processor``, their token counts as the loader would
-    make them (with a processor, the frames it samples of each video). A sample the loader
+    make them (with a processor, the frames it samples of each video). A document or caption
+    is shown element by element, each image in its place; with a tokenizer or processor, cut
+    into pieces as the Loader cuts it at ``max_length`` tokens and ``max_units`` vision units
+    a piece (the Loader's ``max_length`` and ``max_tiles_per_pack``). A sample the loader
     would skip is shown with its ``problem``."""
     from ..pipeline.read import ReadSamples
     from ..pipeline.sources import resolve_sources
@@ -196,12 +209,19 @@ def inspect_samples(
         from ..families.registry import family_of
         from ..pipeline.tokenize import Tokenize
 
-        tokenize = Tokenize(family=family_of(processor), stats=stats)
+        tokenize = Tokenize(
+            family=family_of(processor), stats=stats, max_length=max_length, max_units=max_units
+        )
     elif tokenizer is not None:
         from ..pipeline.tokenize import Tokenize
 
         tokenize = Tokenize(
-            tokenizer, tokens_per_tile=tokens_per_tile, image_config=config, stats=stats
+            tokenizer,
+            tokens_per_tile=tokens_per_tile,
+            image_config=config,
+            stats=stats,
+            max_length=max_length,
+            max_units=max_units,
         )
     return [_view(sample, config, tokenize) for sample in samples]
 
@@ -230,8 +250,6 @@ def _videos(sample: dict, tokenize) -> list[VideoView]:
 
 
 def _view(sample: dict, config: ImageConfig, tokenize) -> SampleView:
-    import json
-
     sizes = [tuple(s) for s in sample["__meta__"]["images"]]
     view = SampleView(
         key=sample["__key__"],
@@ -244,13 +262,16 @@ def _view(sample: dict, config: ImageConfig, tokenize) -> SampleView:
         videos=_videos(sample, tokenize),
     )
     try:
-        view.messages = [
-            {"role": str(m["role"]), "content": str(m["content"])}
-            for m in json.loads(sample["json"])["messages"]
-        ]
+        record, kind = parse_record(sample)
+        if kind == "conversation":
+            view.messages = [
+                {"role": str(m["role"]), "content": str(m["content"])} for m in record["messages"]
+            ]
     except (KeyError, TypeError, ValueError) as e:
         view.problem = f"invalid JSON member ({type(e).__name__}: {e})"
         return view
+    if kind != "conversation":
+        return _document(view, sample, record, kind, config, tokenize)
     if tokenize is None:
         return view
     encode = tokenize.tokenizer
@@ -270,6 +291,26 @@ def _view(sample: dict, config: ImageConfig, tokenize) -> SampleView:
     else:
         reasons = [r for r, n in tokenize.stats.counts.items() if n > before.get(r, 0)]
         view.problem = f"the loader would skip it: {', '.join(reasons) or 'not tokenized'}"
+    return view
+
+
+def _document(view: SampleView, sample: dict, record: dict, kind: str, config, tokenize):
+    """``view`` of a document or caption: its elements in place, and its pieces."""
+    if tokenize is None:
+        elements, view.problem = checked_elements(record, kind, len(view.sizes), view.key)
+        if view.problem is None:
+            view.document = untokenized_view(kind, elements, view.sizes, config)
+        return view
+    view.document, view.problem = document_view(sample, record, kind, tokenize)
+    if view.document is not None:
+        pieces = view.document.pieces
+        total, image = sum(p.tokens for p in pieces), sum(p.image_tokens for p in pieces)
+        view.tokens = {
+            "total": total,
+            "image": image,
+            "text": total - image,
+            "supervised": sum(p.supervised for p in pieces),
+        }
     return view
 
 
