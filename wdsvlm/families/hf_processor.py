@@ -97,6 +97,9 @@ class ProcessorFamily:
     name: str
     unit_size: int
     video: Any = None  # the family's video side (families.video.ProcessorVideo), if it takes video
+    # the tokens put around an image's ids in a document (pipeline/documents.py), where its
+    # ids do not hold their own; none by default
+    image_wrap: tuple[str, str] = ("", "")
     video_device_fields: tuple[str, ...] = ()  # batch tensors video_model_fields hands on
     no_video = "its processor takes no video in wdsvlm"  # why video is None
 

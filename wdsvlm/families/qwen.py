@@ -110,6 +110,12 @@ class QwenFamily(ProcessorFamily):
         self.backend = getattr(ip, "backend", "pil")
         self.image_token_id = int(processor.image_token_id)
         self.unit_size = self.patch_size
+        # An image in a document goes between the vision markers, as the chat template puts
+        # it and as Qwen-VL was pretrained on interleaved text (Qwen3-VL's processor names them).
+        self.image_wrap = (
+            getattr(processor, "vision_start_token", "<|vision_start|>"),
+            getattr(processor, "vision_end_token", "<|vision_end|>"),
+        )
         try:  # its videos, where its video processor takes them
             self.video: QwenVideo | None = QwenVideo(processor, self.name)
         except NoVideoProcessor as e:
