@@ -9,8 +9,12 @@ by element in reading order:
   ``<|image_pad|>`` gets no image), followed by ``SEPARATOR`` where a text comes next;
 - each image as its family's tokens for it: the ids that replace the chat template's
   placeholder (``Family.image_token_ids``), inside the family's wrapper where it has one
-  (Qwen's ``<|vision_start|>`` ... ``<|vision_end|>``, ``Family.image_wrap``; SmolVLM's
-  expansion holds its own ``<fake_token_around_image>``).
+  (``Family.image_wrap``): what the family's chat template writes for an image, so the
+  document is what its processor makes of the text with the image written there. Qwen's
+  is ``<|vision_start|>`` ... ``<|vision_end|>`` (which also keeps two images side by side
+  two runs of image tokens); SmolVLM's and Idefics3's expansion holds its own
+  ``<fake_token_around_image>`` and rows/cols, and LLaVA-OneVision's template writes its
+  ``<image>`` alone (its image newlines are in the model's features), so they have none.
 
 Labels: every text token and the EOS are supervised, but a piece's first token (nothing
 before it in its own sequence predicts it), and never an image's tokens nor their wrapper.
