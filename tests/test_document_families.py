@@ -91,6 +91,15 @@ def test_a_documents_tokens_are_what_the_processor_makes_of_its_text(family):
     sample = document_sample(elements, sizes)
     (out,) = Tokenize(family=fam).encode([dict(sample)])
     image = chat_image_text(processor)
+    text = processor_text(processor, elements, image)
+    ref = processor(text=[text], images=[images_of(sample, range(4))], return_tensors="pt")
+    assert out["input_ids"].tolist() == ref["input_ids"][0].tolist()
+    assert image == fam.image_wrap[0] + processor.image_token + fam.image_wrap[1]
+
+
+def processor_text(processor, elements: list[dict], image: str) -> str:
+    """A document's text as the processor takes it: ``image`` for each image, two newlines
+    between two texts, the end-of-text token last."""
     text = ""
     for i, element in enumerate(elements):
         if "image" in element:
@@ -98,10 +107,28 @@ def test_a_documents_tokens_are_what_the_processor_makes_of_its_text(family):
         else:
             following = i + 1 < len(elements) and "text" in elements[i + 1]
             text += element["text"] + ("\n\n" if following else "")
-    text += processor.tokenizer.eos_token
-    ref = processor(text=[text], images=[images_of(sample, range(4))], return_tensors="pt")
+    return text + processor.tokenizer.eos_token
+
+
+def test_a_tokenizer_that_starts_texts_with_bos_starts_each_document_with_it():
+    # Idefics3's Llama 3 tokenizer puts <|begin_of_text|> before a text, and so does its
+    # processor before a document's; of the document's pieces, only the first has it.
+    processor = tiny_processor("idefics3")
+    processor.tokenizer.add_bos_token = True
+    tok = processor.tokenizer
+    elements = [{"image": 0}, {"text": "A title"}, {"text": "the cat " * 30}, {"image": 1}]
+    sample = document_sample(elements, [(64, 48), (32, 32)])
+    fam = family_of(processor)
+    (out,) = Tokenize(family=fam).encode([dict(sample)])
+    text = processor_text(processor, elements, processor.image_token)
+    ref = processor(text=[text], images=[images_of(sample, [0, 1])], return_tensors="pt")
     assert out["input_ids"].tolist() == ref["input_ids"][0].tolist()
-    assert image == fam.image_wrap[0] + processor.image_token + fam.image_wrap[1]
+    assert out["input_ids"][0] == tok.bos_token_id and out["labels"][-1] == tok.eos_token_id
+    pieces = Tokenize(family=fam, max_length=128).encode([dict(sample)])
+    assert len(pieces) >= 2
+    starts = [p["input_ids"][0] == tok.bos_token_id for p in pieces]
+    assert starts == [True] + [False] * (len(pieces) - 1)
+    assert np.array_equal(np.concatenate([p["input_ids"] for p in pieces]), out["input_ids"])
 
 
 def blocks(fam, piece: dict) -> list[tuple[int, int]]:
@@ -224,7 +251,8 @@ def test_packed_pieces_and_conversations_give_the_logits_and_pixels_of_each_alon
     processor = tiny_processor(family)
     model = tiny_model(family, processor).eval()
     fam = family_of(processor)
-    kinds = {"piece": 0, "later piece": 0, "talk": 0, "rows with both": 0}
+    kinds = dict.fromkeys(("piece", "later piece", "talk", "rows with both"), 0)
+    kinds.update({"1 image": 0, "images": 0})  # pieces of one image, of several
     batches, stored = packed_batches(fam, docs)
     with torch.no_grad():
         for batch, rows in batches:
@@ -232,6 +260,8 @@ def test_packed_pieces_and_conversations_give_the_logits_and_pixels_of_each_alon
     # several pieces, a document's later ones, conversations and rows holding both kinds
     assert kinds["piece"] >= 8 and kinds["later piece"] >= 4 and kinds["talk"] == 4, kinds
     assert kinds["rows with both"] >= 1, kinds
+    # pieces of one image and of several (LLaVA-OneVision: crops, or one view each)
+    assert kinds["1 image"] >= 1 and kinds["images"] >= 1, kinds
 
 
 def check_batch(processor, model, family, stored, batch, rows, kinds) -> None:
@@ -256,6 +286,9 @@ def check_batch(processor, model, family, stored, batch, rows, kinds) -> None:
             ref = _reference(processor, family, raw, sample)
             kinds["piece"] += 1
             kinds["later piece"] += sample["__piece__"] > 0
+            images = len(sample["image_tiles"])
+            kinds["1 image"] += images == 1
+            kinds["images"] += images > 1
         assert torch.equal(ids, ref["input_ids"][0]), key
         if "pixel_values" in ref:  # the processor's pixels of each image, in order
             expected = reference_pixels(family, ref)
