@@ -70,6 +70,23 @@ def test_token_weights_divide_each_sources_weight_by_its_supervised_tokens_per_s
     assert [s.chunk_cap(32) for s in by_tokens] == [32, 3, 1]  # chunks of like tokens
 
 
+def test_a_schedule_by_tokens_keeps_its_token_shares_at_every_batch(three):
+    """Each of a schedule's weights is divided by its source's supervised tokens per sample,
+    so the share of the samples at any batch, times those numbers, is the token share the
+    schedule gives there."""
+    points = [(0, 1.0), (100, 0.2)]
+    mixture = [
+        Source(three["short"], name="short", weight=points, schedule="linear"),
+        Source(three["long"], name="long", weight=1.0),
+    ]
+    resolved, _, schedule = resolve_sources(mixture, weight_by="tokens")
+    per_sample = [s.supervised_per_sample for s in resolved]
+    for t in (0, 25, 50, 100, 300):
+        tokens = [share * n for share, n in zip(schedule.shares(t), per_sample, strict=True)]
+        short = {0: 1.0, 25: 0.8, 50: 0.6}.get(t, 0.2)
+        assert tokens[0] / sum(tokens) == pytest.approx(short / (short + 1.0))
+
+
 def test_weight_by_tokens_needs_a_weight_on_every_source_and_a_known_spelling(three, tmp_path):
     with pytest.raises(ValueError, match="goes with weight= on every source"):
         resolve_sources([Source(three["short"]), Source(three["long"])], weight_by="tokens")

@@ -162,7 +162,8 @@ def plan_of(
         settings.storage_options,
         settings.read_policy,
         settings.samples_per_pass,
-        weight_by=settings.weight_by,
+        # an evaluation loader reads every sample once: its weights are set aside
+        weight_by="samples" if settings.evaluation else settings.weight_by,
         supervised=lambda resolved: supervised_per_sample(resolved, tokenize, pack, settings),
     )
     return Plan(

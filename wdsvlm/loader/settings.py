@@ -91,9 +91,10 @@ class LoaderSettings:
     """Samples a pass holds when every source of a mixture gives ``weight=`` (None: the
     sources' total; with a weight schedule, about 50 batches' worth). Checked on resume
     through the sources' shares of a pass."""
-    weight_by: str | None = _shapes(None)
+    weight_by: str | None = None
     """What a mixture's weights are shares of: ``"samples"`` or ``"tokens"`` (the supervised
-    tokens; ``pipeline/token_weights.py``); None: the mixture file's, else ``"samples"``."""
+    tokens; ``pipeline/token_weights.py``); None: the mixture file's, else ``"samples"``.
+    Checked on resume as the mixture weighs, this setting's or its file's."""
     image_token: str | None = _shapes(None)
     """The image token; None: the tokenizer's own, else ``<image>``."""
     chat_template: str | None = _shapes(None)
@@ -275,6 +276,7 @@ _FACTS = (
     "tokenizer",
     "batches_per_epoch",
     "schedule",
+    "weight_by",
     "supervised_per_sample",
 )
 # facts a resume adopts from the saved run rather than checks

@@ -134,23 +134,33 @@ CALIBRATION_SAMPLES = 32
 def supervised_per_sample(sources: list, tokenize: Any, pack: Any, settings: Any) -> list[float]:
     """Each source's mean supervised tokens per sample as its batches will hold them, for
     weights by tokens (``pipeline/token_weights.py``): the index's estimate of every entry of
-    the measured shards (0 for a sample that packing drops, 3/4 of it for one it truncates),
-    times the source's calibration: the supervised tokens (labels not ignored) of up to
+    the measured shards (a conversation that packing drops counts 0, one it truncates 3/4 of
+    a row's worth; a document is cut into pieces, all kept), times the source's calibration:
+    the supervised tokens (labels not ignored; a document's pieces together) of up to
     ``CALIBRATION_SAMPLES`` of those samples, spread evenly, read and tokenized, over their
     estimate. The same samples on every rank: the same numbers, with no collective call."""
     out = []
     for source in sources:
         entries = [(s, e) for s, _, part in measured_shards(source) for e in part]
-        chosen = [(1, source, s, e) for s, e in entries[:: max(1, len(entries) // 32)]]
-        samples = encoded(chosen[:CALIBRATION_SAMPLES], tokenize, settings)
-        labelled = sum(int((s["labels"] != IGNORE_INDEX).sum()) for s in samples)
-        estimated = sum(supervised_estimate(s["__meta__"]) for s in samples)
-        if not samples or not estimated:
+        step = max(1, len(entries) // CALIBRATION_SAMPLES)
+        chosen = [(1, source, s, e) for s, e in entries[::step][:CALIBRATION_SAMPLES]]
+        samples = encoded(chosen, tokenize, settings)
+        labelled: dict[tuple, int] = {}  # by sample: a document's pieces are samples too
+        for sample in samples:
+            key = (sample["__shard__"], sample["__key__"])
+            supervised = int((sample["labels"] != IGNORE_INDEX).sum())
+            labelled[key] = labelled.get(key, 0) + supervised
+        metas = {(s["__shard__"], s["__key__"]): s["__meta__"] for s in samples}
+        estimated = sum(supervised_estimate(meta) for meta in metas.values())
+        if not estimated:
             log.warning("%s: no sample read to calibrate its supervised tokens", source.name)
-        calibration = labelled / estimated if samples and estimated else 1.0
+        calibration = sum(labelled.values()) / estimated if estimated else 1.0
         per_text_token = chars_per_token_of(samples, tokenize)
         total = 0.0
         for _, entry in entries:
+            if entry.get("kind", 0):  # a document or caption: cut into pieces, never dropped
+                total += supervised_estimate(entry)
+                continue
             packed = packed_numbers(entry, tokenize, pack, settings, per_text_token)
             if packed is not None:  # dropped: 0
                 total += supervised_estimate(entry) * packed[2]

@@ -5,8 +5,8 @@ A mixture with ``weight_by="tokens"`` gives each source a share of the **supervi
 (labels that are not ignored, what a batch's ``num_loss_tokens`` counts) rather than of the
 samples. The plan still draws samples (``sources.py``), so each token weight becomes a sample
 weight: ``weight / s``, ``s`` the source's mean supervised tokens per sample. ``s`` must be
-the same number in every process that plans (every rank, worker and resume), so it comes from
-the index, never from the samples one process happened to read:
+the same number in every process that plans (every rank, worker and resume, on any topology),
+so it comes from the index and from samples every process picks alike:
 
 - an entry's **supervised text**: of a conversation, its answers (the index keeps each turn's
   characters, an optional system turn first, then user and assistant turns by turns, each
@@ -14,11 +14,15 @@ the index, never from the samples one process happened to read:
   caption (``kind`` and ``elements``, ``format/documents.py``), every text element (images
   are never supervised);
 - its estimate: those characters at ``CHARS_PER_TOKEN``, plus one token for each answer's
-  end-of-turn token (a caption's end token), a source's ``s`` the mean over the entries of up
+  end-of-turn token (a caption's end token); a source's ``s``, the mean over the entries of up
   to ``MEASURED_SHARDS`` shards spread over its shard list (``spread_shards``);
-- the Loader then calibrates it per source with its tokenizer (``loader/sizing.py``): the
-  supervised tokens of a few samples read and tokenized, over their estimate, times the
-  estimate; samples that packing drops count 0.
+- the Loader calibrates ``s`` per source with its tokenizer (``loader/sizing.py``): times the
+  supervised tokens of a few samples, the same ones everywhere, read and tokenized, over their
+  estimate; a sample that packing drops counts 0. A plan made without a Loader (``wdsvlm
+  stats``) takes the index's estimate as it is.
+
+A source heavy in supervised tokens comes in smaller chunks (``DataSource.chunk_cap``): the
+pass interleaves the sources' chunk visits evenly, and so the tokens too.
 """
 
 from __future__ import annotations
