@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import tarfile
 from collections import Counter
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from wdsvlm.families.tiling import ImageConfig, tile_count
@@ -278,3 +281,111 @@ def test_stats_reports_what_the_writer_dropped(tmp_path):
         "dropped_images": {"missing_image": 1},
         "left_out_captions": 1,
     }
+
+
+def page_inputs(root) -> None:
+    """The inputs docs/pretraining.md starts from, small, at the paths it names (``root``
+    stands for its working folder, ``root/data`` for ``/data``)."""
+    import shutil
+
+    from .conftest import make_image, photo, write_jsonl
+    from .test_index_documents import member, mint1t_json, tiff, write_tar
+    from .test_write_documents import img2dataset_folder, mmc4_row, obelics_rows
+
+    pics = root / "pics"
+    pics.mkdir()
+    for name, size, fmt in [("a.jpg", (40, 30), "JPEG"), ("b.png", (20, 50), "PNG"),
+                            ("c.webp", (33, 17), "WEBP")]:  # fmt: skip
+        make_image(str(pics / name), size, fmt)
+    # LLaVA-Pretrain: its JSON and images/
+    images = root / "LLaVA-Pretrain" / "images" / "00453"
+    images.mkdir(parents=True)
+    shutil.copy(pics / "a.jpg", images / "004539375.jpg")
+    rows = [{"id": "004539375", "image": "00453/004539375.jpg", "conversations": [
+        {"from": "human", "value": "Give a brief description of the image.\n<image>"},
+        {"from": "gpt", "value": "a red cat on a mat"}]}]  # fmt: skip
+    (root / "LLaVA-Pretrain" / "blip_laion_cc_sbu_558k.json").write_text(json.dumps(rows))
+    data = root / "data"
+    # img2dataset caption tars
+    (data / "cc3m-wds").mkdir(parents=True)
+    with tarfile.open(data / "cc3m-wds" / "00000.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(3):
+            member(tar, f"00000{i:04d}.jpg", (pics / "a.jpg").read_bytes())
+            member(tar, f"00000{i:04d}.txt", f"a picture of thing {i}".encode())
+    # OBELICS Parquet with URLs, and the img2dataset folder of their images
+    (root / "OBELICS" / "data").mkdir(parents=True)
+    obelics = obelics_rows()
+    table = {k: [r[k] for r in obelics] for k in ("texts", "metadata", "general_metadata")}
+    table["images"] = [
+        [None if n is None else f"https://img.example/{n}" for n in r["images"]] for r in obelics
+    ]
+    pq.write_table(pa.table(table), root / "OBELICS" / "data" / "train-00000-of-00001.parquet")
+    urls = {f"https://img.example/{n}": n for n in ("a.jpg", "b.png", "c.webp")}
+    img2dataset_folder(str(root / "obelics_images"), str(pics), urls, "webdataset")
+    # MMC4 JSON Lines and its images
+    (root / "mmc4").mkdir()
+    write_jsonl(str(root / "mmc4" / "docs_no_face_shard_0_v2.jsonl"), [mmc4_row()])
+    shutil.copytree(pics, root / "mmc4_images")
+    # MINT-1T tars
+    mint = data / "MINT-1T-PDF-CC-2024-18"
+    mint.mkdir()
+    frames = [photo(40 + 8 * i, 30 + 5 * i, seed=i) for i in range(2)]
+    doc = mint1t_json(
+        ["A title", ("image", "page_0_image_12"), "A paragraph.", ("image", "page_1_image_7")],
+        [(0, 12, frames[0].size), (1, 7, frames[1].size)],
+    )
+    write_tar(mint / "CC-MAIN-2024-18-shard-0.tar", [("0a1b", doc, tiff(frames))])
+    # instruction data: conversations
+    shutil.copytree(EXAMPLE, data / "llava_instruct")
+
+
+def page_commands(text: str) -> list[list[str]]:
+    """The ``wdsvlm`` commands of a page's bash blocks, each as its arguments."""
+    import shlex
+
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            if command.strip():
+                commands.append(shlex.split(command))
+    return commands
+
+
+def test_pretraining_page_commands_and_examples_run(tmp_path, monkeypatch):
+    """Every command of docs/pretraining.md runs on small inputs of each layout (the tiny
+    processor for the Hub's, one writer process), and its Python examples run: the documents'
+    batches hold pieces, and the schedule's first batches are captions alone."""
+    from .conftest import REPO
+
+    page = open(os.path.join(REPO, "docs", "pretraining.md"), encoding="utf-8").read()
+    page_inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    page = re.sub(r"(?<=[\s\"'])/data/", f"{tmp_path}/data/", page)
+    page = page.replace("Qwen/Qwen2-VL-2B-Instruct", "tiny:qwen2_vl")
+    commands = page_commands(page)
+    assert [c[:2] for c in commands] == [["wdsvlm", "write"], ["wdsvlm", "index"]] + [
+        ["wdsvlm", "write"]
+    ] * 2 + [["wdsvlm", "index"], ["wdsvlm", "inspect"], ["wdsvlm", "stats"]]
+    outputs = []
+    for command in commands:
+        args = [
+            "1" if a == "8" and b == "--workers" else a
+            for b, a in zip(["", *command], command, strict=False)
+        ]
+        outputs.append(wdsvlm(*args[1:], "-q"))
+    assert "(1 caption, 1 image)" in outputs[0] and "(3 captions, 3 images)" in outputs[1]
+    assert "3 documents" in outputs[2] and "input format obelics" in outputs[2]
+    assert "input format mmc4" in outputs[3] and "layout mint1t" in outputs[4]
+    assert "  document: " in outputs[5] and "--- piece 0: " in outputs[5]
+    assert "pieces per document" in outputs[6]
+    assert os.path.exists(tmp_path / "obelics-stats" / "documents.png")
+    examples = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert len(examples) == 2
+    scope: dict = {"__name__": "example"}
+    exec(examples[0], scope)  # noqa: S102 - our own documentation
+    batch = scope["batch"]
+    assert batch["num_loss_tokens"] > 0 and "sample_pieces" in batch
+    exec(examples[1], scope)  # noqa: S102 - our own documentation
+    loader = scope["loader"]
+    for _, batch in zip(range(3), loader, strict=False):
+        assert {s for row in batch["sample_sources"] for s in row} == {"stage1"}
