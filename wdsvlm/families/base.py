@@ -32,6 +32,9 @@ class Family(Protocol):
     unit_size: int  # side S of a unit, in pixels
     tokenizer: Any  # the tokenizer the text is encoded with (None: an images-only tiling)
     placeholder: str  # the one token the chat template puts where an image goes
+    # what goes before and after an image's ids in a document (no template there): what the
+    # chat template writes around the placeholder, ("", "") for nothing
+    image_wrap: tuple[str, str]
     device_fields: tuple[str, ...]  # batch tensors model_inputs moves for model_fields
 
     @property

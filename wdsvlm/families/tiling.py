@@ -192,6 +192,7 @@ class TilingFamily:
     no_video = "the default tiling tiles images only"
     device_fields: tuple[str, ...] = ()
     chat_template = None  # the tokenizer's own, else ChatML
+    image_wrap = ("", "")  # an image in a document: its tokens alone
 
     def __init__(
         self,
