@@ -17,7 +17,6 @@ from ..errors import InputError
 from ..families.tiling import ImageConfig, tile_count
 from ..format.documents import SEPARATOR, check_elements
 from ..pipeline.placeholders import IGNORE_INDEX
-from ..pipeline.stats import SkipStats
 
 
 @dataclass
@@ -167,20 +166,24 @@ def document_view(
     Loader's ``Tokenize``, with its ``max_length`` and vision budget) cuts it into pieces;
     ``(None, why)`` where the Loader would skip it."""
     documents = tokenize.documents
-    stats = SkipStats(max_consecutive=10**9)
+    stats = tokenize.stats  # shared by the samples shown: each reason is logged once
+
+    def skipped(before: dict) -> str:
+        new = [r for r, n in stats.counts.items() if n > before.get(r, 0)]
+        return f"the loader would skip it: {', '.join(new) or 'not tokenized'}"
+
+    before = dict(stats.counts)
     try:
         sizes = tokenize.sizes_of(dict(sample))
-        doc = documents.take(record, dict(sample), sizes, stats)
-    except InputError as e:
-        return None, f"the loader would skip it: {e.reason}"
     except (OSError, ValueError) as e:  # an image header that does not parse
         return None, f"the loader would skip it: {type(e).__name__}: {e}"
+    doc = documents.take(record, dict(sample), sizes, stats)
     if doc is None:
-        return None, f"the loader would skip it: {', '.join(stats.counts)}"
+        return None, skipped(before)
     documents.encode([doc])
     pieces = tokenize.encode([dict(sample)], stats=stats)
     if not pieces:
-        return None, f"the loader would skip it: {', '.join(stats.counts) or 'not tokenized'}"
+        return None, skipped(before)
     shown = _laid_over(doc, pieces, documents, tokenize)
     view = _view(kind, doc.elements, sizes, shown, True)
     view.unit_name = tokenize.family.unit_name
