@@ -232,6 +232,21 @@ def test_stats_figures_of_documents_equal_those_computed_directly(mix, tmp_path)
     assert found.dropped == {"too_many_tokens": 0, "too_many_vision_units": 0}
 
 
+def test_stats_of_a_mixture_counts_a_document_once_in_its_source(mix, tmp_path):
+    folder, made = mix
+    mixture = tmp_path / "mixture.yaml"
+    mixture.write_text(f"sources:\n  - {{path: {EXAMPLE}}}\n  - {{path: {folder}, name: docs}}\n")
+    want = directly(folder, made, 64, 4)
+    found = dataset_stats(
+        str(mixture), TOKENIZER, max_length=64, max_tiles_per_pack=4, image_config=CONFIG,
+        tokens_per_tile=4, show_progress=False,
+    )  # fmt: skip
+    docs = found.per_source["docs"]
+    assert docs["planned"] == docs["read"] == docs["kept"] == len(made)
+    assert docs["tokens"] == sum(want["tokens"])
+    assert found.documents["pieces_per_document"]["counts"] == dict(sorted(want["pieces"].items()))
+
+
 def test_stats_table_json_and_picture_of_documents(mix, tmp_path):
     folder, made = mix
     want = directly(folder, made, 64, 4)

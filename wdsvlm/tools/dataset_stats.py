@@ -52,7 +52,8 @@ class DatasetStats:
     picture: list[np.ndarray] = field(repr=False, default_factory=list)
     per_source: dict[str, dict] = field(default_factory=dict)
     """For a mixture, per source: samples its share of the pass plans, read and tokenized,
-    kept (fit the budgets), and their tokens."""
+    kept (fit the budgets), and their tokens (a document counts once, by its first piece; its
+    tokens are all its pieces')."""
     videos: dict[str, int] = field(default_factory=dict)
     """Videos read, their vision units and their tokens (those in place of each video's
     marker, as ``inspect`` counts them), with a processor's family."""
@@ -250,7 +251,7 @@ def dataset_stats(
         for sample in samples:
             if plan.mixture:
                 counts = per_source[sample["__source__"]]
-                counts["read"] += 1
+                counts["read"] += not sample.get("__piece__")  # a document once, not per piece
                 counts["tokens"] += int(sample["num_tokens"])
             tokens.append(sample["num_tokens"])
             tiles.append(sum(sample["image_tiles"]))
@@ -285,7 +286,7 @@ def dataset_stats(
         )
         if plan.mixture:
             for s in packed:
-                per_source[s["__source__"]]["kept"] += 1
+                per_source[s["__source__"]]["kept"] += not s.get("__piece__")
     bar.close()
     packs = packing.stats
     advice = None
