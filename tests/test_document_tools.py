@@ -21,7 +21,7 @@ from wdsvlm.pipeline.stats import SkipStats
 from wdsvlm.pipeline.tokenize import IGNORE_INDEX, Tokenize
 from wdsvlm.testing.documents import random_documents, write_documents
 from wdsvlm.tools.dataset_stats import dataset_stats
-from wdsvlm.tools.pictures import HISTOGRAM_SIZE
+from wdsvlm.tools.pictures import HISTOGRAM_SIZE, SHEET_ROW, SHEET_WIDTH
 
 from .conftest import EXAMPLE, run_cli
 from .test_documents import raw_samples
@@ -155,8 +155,10 @@ def test_inspect_shows_the_text_of_each_piece_as_the_tokens_of_the_piece(split):
     assert texts == want
 
 
-def test_inspect_without_a_tokenizer_shows_the_elements_with_their_images_in_place(split):
-    out = wdsvlm("inspect", split, *SMALL, "-q")
+def test_inspect_without_a_tokenizer_shows_the_elements_with_their_images_in_place(split, tmp_path):
+    sheet = str(tmp_path / "sheet.png")
+    out = wdsvlm("inspect", split, *SMALL, "-q", "--out", sheet)
+    assert png_size(sheet) == (SHEET_WIDTH, 2 * SHEET_ROW)  # a row per document
     doc, caption = out.split("\n\n")[:2]
     tiles = [tile_count(w, h, CONFIG) for w, h in SPLIT["sizes"]]
     assert doc.splitlines()[1:] == [
