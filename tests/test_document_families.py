@@ -22,7 +22,7 @@ from wdsvlm.families import family_of
 from wdsvlm.format.images import open_image
 from wdsvlm.loader.build import pad_of
 from wdsvlm.pipeline.collate import Collate
-from wdsvlm.pipeline.pack import Pack
+from wdsvlm.pipeline.stats import SkipStats
 from wdsvlm.pipeline.tokenize import IGNORE_INDEX, Tokenize
 from wdsvlm.testing.documents import image_png, random_documents, write_documents
 from wdsvlm.testing.tiny import tiny_model, tiny_processor
@@ -225,10 +225,10 @@ def _reference(processor, family: str, sample: dict, piece: dict) -> dict:
 
 
 def packed_batches(fam, docs: str) -> tuple[list[tuple[dict, list[list[dict]]]], dict]:
-    """Batches of 2 rows of ``PACK_LENGTH`` tokens (the pipeline's Pack and Collate) holding
-    every piece (of at most ``MAX_LENGTH`` tokens) of the dataset's first documents of
-    several pieces and a few short conversations, taken in turn, each with its rows'
-    samples; and the stored samples by ``(shard, key)``."""
+    """Batches of 2 rows of ``PACK_LENGTH`` tokens (made by Collate) holding every piece (of
+    at most ``MAX_LENGTH`` tokens) of the dataset's first documents of several pieces and a
+    few short conversations, taken in turn, each with its rows' samples; and the stored
+    samples by ``(shard, key)``."""
     stage = Tokenize(family=fam, max_length=MAX_LENGTH)
     documents = [s for s in raw_samples(docs) if len(stage.encode([dict(s)])) > 1][:4]
     talks = [
@@ -240,7 +240,11 @@ def packed_batches(fam, docs: str) -> tuple[list[tuple[dict, list[list[dict]]]],
     samples = []
     for document, talk in zip(documents, talks, strict=True):
         samples += stage.encode([dict(document)]) + stage.encode([dict(talk)])
-    packs = list(Pack(PACK_LENGTH, window=len(samples))(iter(samples)))
+    packs: list[list[dict]] = [[]]  # in turn, as many as fit a row: rows of both kinds
+    for sample in samples:
+        if sum(s["num_tokens"] for s in packs[-1]) + sample["num_tokens"] > PACK_LENGTH:
+            packs.append([])
+        packs[-1].append(sample)
     collate = Collate(PACK_LENGTH, 2, pad_of(fam.tokenizer), family=fam)
     batches = [(collate(packs[i : i + 2]), packs[i : i + 2]) for i in range(0, len(packs), 2)]
     return batches, {(s["__shard__"], s["__key__"]): s for s in documents + talks}
@@ -305,3 +309,21 @@ def check_batch(processor, model, family, stored, batch, rows, kinds) -> None:
         logits = model(**ref, use_cache=False).logits[0]
         torch.testing.assert_close(packed[r, start:stop], logits, rtol=0, atol=1e-5)
     assert model_pixels is None or pixel_at == len(model_pixels)  # no pixels but theirs
+
+
+def test_an_image_too_large_alone_is_kept_as_one_view_beside_the_pieces_other_images():
+    # LLaVA-OneVision makes an image its sample's only one into crops (151 tokens, 25 views
+    # at 300x200 here), and one of several into one view (17 tokens): beside another image
+    # it fits a piece that it would not fit alone.
+    processor = tiny_processor("llava_onevision")
+    fam = family_of(processor)
+    assert len(fam.image_token_ids(300, 200, True)) > 100 >= 3 * 17
+    elements = [{"text": "A few words"}, {"image": 0}, {"image": 1}, {"text": "The end."}]
+    sample = document_sample(elements, [(32, 32), (300, 200)])
+    stats = SkipStats()
+    pieces = Tokenize(family=fam, max_length=100, max_units=8, stats=stats).encode([sample])
+    assert not stats.counts  # nothing dropped
+    assert [p["__meta__"]["document_images"] for p in pieces] == [[0, 1]]
+    text = processor_text(processor, elements, processor.image_token)
+    ref = processor(text=[text], images=[images_of(sample, [0, 1])], return_tensors="pt")
+    assert pieces[0]["input_ids"].tolist() == ref["input_ids"][0].tolist()

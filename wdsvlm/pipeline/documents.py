@@ -22,12 +22,14 @@ before it in its own sequence predicts it), and never an image's tokens nor thei
 A document longer than ``max_length`` tokens, or with more vision units than ``max_units``,
 is cut into pieces, filled greedily in reading order: an image goes whole into the piece
 being filled if it fits there, else starts the next one; a text fills what is left of the
-piece at token boundaries and goes on in the next. An image that fits no piece on its own is
-dropped whole and counted (``image_over_budget``, named ``SHARD/KEY.n``), the rest of its
-document kept. Concatenated in order, the pieces are the whole document's tokens. Each piece
-is a sample of its own (``__piece__``: its number), with its images only: it packs, decodes
-and runs through the model as any sample, alone. An image's tokens depend on whether it is
-its sample's only one (LLaVA-OneVision), so they are those of the piece it is in.
+piece at token boundaries and goes on in the next. An image that fits neither there nor in a
+piece on its own is dropped whole and counted (``image_over_budget``, named ``SHARD/KEY.n``),
+the rest of its document kept (a LLaVA-OneVision image too large alone as crops is kept as
+one view beside the piece's other images, where they fit). Concatenated in order, the pieces
+are the whole document's tokens. Each piece is a sample of its own (``__piece__``: its
+number), with its images only: it packs, decodes and runs through the model as any sample,
+alone. An image's tokens depend on whether it is its sample's only one (LLaVA-OneVision), so
+they are those of the piece it is in.
 
 Where pieces go: a document's pieces leave the tokenizer one after another, in the worker
 that read the document, and the packing window then places them as any samples: in that
@@ -219,15 +221,16 @@ class Documents:
         for item in items:
             if item[0] == "image":
                 n = item[1]
+                tokens, used = self._numbers(pieces[-1] + [item], doc)
+                if tokens <= limit and used <= units:  # beside the piece's images: as one
+                    pieces[-1].append(item)  # of several (LLaVA-OneVision: one view, not crops)
+                    continue
                 alone = self._numbers([("image", n)], doc)
                 if alone[0] > limit or alone[1] > units:
                     if dropped is not None:
                         dropped(n, alone)
                     continue
-                tokens, used = self._numbers(pieces[-1] + [item], doc)
-                if pieces[-1] and (tokens > limit or used > units):
-                    pieces.append([])
-                pieces[-1].append(item)
+                pieces.append([item])
                 continue
             ids, chars, total = item[1], item[2], max(1, len(item[1]))
             while len(ids):
