@@ -11,6 +11,7 @@ processor's and, on Qwen, the mRoPE positions of ``get_rope_index`` on the piece
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -327,3 +328,44 @@ def test_an_image_too_large_alone_is_kept_as_one_view_beside_the_pieces_other_im
     text = processor_text(processor, elements, processor.image_token)
     ref = processor(text=[text], images=[images_of(sample, [0, 1])], return_tensors="pt")
     assert pieces[0]["input_ids"].tolist() == ref["input_ids"][0].tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_loaders_batches_of_documents_and_conversations_give_the_logits_of_each_alone(
+    family, docs
+):
+    # The Loader over a mixture: its own stage cuts the documents at its max_length and
+    # vision budget, and each piece of its batches must be the piece the processor and the
+    # model make alone.
+    processor = tiny_processor(family)
+    model = tiny_model(family, processor).eval()
+    loader = wdsvlm.Loader(
+        [wdsvlm.Source(EXAMPLE, weight=0.5), wdsvlm.Source(docs, weight=0.5)],
+        processor=processor,
+        max_length=PACK_LENGTH,
+        batch_size=2,
+        shuffle_buffer=8,
+        pack_window=16,
+        samples_per_pass=40,
+        num_workers=0,
+        seed=3,
+    )
+    raw = {(s["__shard__"], s["__key__"]): s for s in raw_samples(docs)}
+    for key, members in dataset_samples(EXAMPLE).items():
+        shard, name = key.split("/")
+        raw[shard, name] = {"__shard__": shard, "__key__": name, **members}
+    kinds = dict.fromkeys(("piece", "later piece", "talk", "rows with both"), 0)
+    kinds.update({"1 image": 0, "images": 0})
+    with torch.no_grad():
+        for batch in itertools.islice(loader, 8):  # until a document's later piece came
+            rows = []
+            for keys, pieces in zip(batch["sample_keys"], batch["sample_pieces"], strict=True):
+                rows.append([])
+                for key, piece in zip(keys, pieces, strict=True):
+                    shard, name = key.split("/")[-2:]  # a mixture's keys name their source
+                    tokenized = loader.tokenize.encode([dict(raw[shard, name])])
+                    rows[-1].append(tokenized[piece or 0])
+            check_batch(processor, model, family, raw, batch, rows, kinds)
+            if kinds["piece"] >= 3 and kinds["later piece"] >= 1:
+                break
+    assert kinds["piece"] >= 3 and kinds["later piece"] >= 1, kinds
