@@ -177,6 +177,14 @@ def test_inspect_without_a_tokenizer_shows_the_elements_with_their_images_in_pla
     ]
 
 
+def test_inspect_refuses_a_max_length_without_a_tokenizer(split):
+    run = run_cli("inspect", split, "--max-length", "64")
+    assert run.returncode == 2
+    assert run.stderr.strip() == (
+        "wdsvlm inspect: error: --max-length goes with --tokenizer T or --processor P"
+    )
+
+
 @pytest.fixture(scope="module")
 def mix(tmp_path_factory):
     """36 documents and captions (10 to 400 words, up to 4 images), and the split one."""

@@ -128,6 +128,12 @@ def inspect(args: argparse.Namespace) -> None:
 
     if args.tokenizer is not None and args.processor is not None:
         raise ValueError("give --tokenizer T or --processor P, not both")
+    if args.tokenizer is None and args.processor is None:
+        cut = [o for o, v in [("--max-length", args.max_length),
+                              ("--max-tiles-per-pack", args.max_tiles_per_pack)] if v]  # fmt: skip
+        if cut:  # pieces are counted in tokens: without a tokenizer there are none to show
+            verb = "go" if len(cut) > 1 else "goes"
+            raise ValueError(f"{' and '.join(cut)} {verb} with --tokenizer T or --processor P")
     views = inspect_samples(
         args.source,
         n=args.n,
