@@ -203,7 +203,8 @@ def test_pieces_concatenate_to_the_document_and_label_all_text_but_their_first_t
             text_after[0] = False
             assert (labels[text_after] == ids[text_after]).all()  # all its other text
     assert cut >= 5
-    assert other > 0 if family == "llava_onevision" else True
+    if family == "llava_onevision":  # pieces of one image cut from documents of several
+        assert other > 0
 
 
 def _reference(processor, family: str, sample: dict, piece: dict) -> dict:
