@@ -99,12 +99,14 @@ def test_weight_by_tokens_needs_a_weight_on_every_source_and_a_known_spelling(th
 
 
 def run(loader, batches):
-    """The first ``batches`` batches' supervised tokens per source, epoch after epoch."""
+    """The first ``batches`` batches' supervised tokens per source, epoch after epoch (adding
+    up to each batch's ``num_loss_tokens``)."""
     out, epoch = [], 0
     while len(out) < batches:
         loader.set_epoch(epoch)
         for batch in loader:
             out.append(dict(supervised_by_source(batch)))
+            assert sum(out[-1].values()) == int(batch["num_loss_tokens"])  # every one, once
             if len(out) == batches:
                 break
         epoch += 1
@@ -131,6 +133,29 @@ def test_the_batches_hold_each_sources_token_share_of_the_supervised_tokens(thre
     assert max(abs(off) for off, _ in worst.values()) < 0.06, worst
     shares = loader.stats()["sources_supervised"]  # this epoch's, as the batches held them
     assert set(shares) == set(WEIGHTS) and sum(shares.values()) == pytest.approx(1.0)
+
+
+def test_every_rank_of_any_topology_works_out_the_same_numbers_and_passes(three):
+    """The supervised tokens per sample, the pass's counts and chunks are the same on every
+    rank of 1, 2 and 3 (the same samples calibrate them everywhere), so every rank plans the
+    same passes and a resume on another topology finds them again."""
+    planned = set()
+    for rank, world_size in [(0, 1), (1, 2), (2, 3)]:
+        loader = wdsvlm.Loader(
+            sources(three),
+            TOKENIZER,
+            max_length=1024,
+            batch_size=4,
+            weight_by="tokens",
+            rank=rank,
+            world_size=world_size,
+        )
+        numbers = [
+            (s.supervised_per_sample, s.copies, s.extra, s.chunk_cap(32))
+            for s in loader.plan.sources
+        ]
+        planned.add((tuple(numbers), loader.plan.order(0).entry_at(1000)))
+    assert len(planned) == 1
 
 
 def test_a_mixture_file_weighs_by_tokens_as_the_loader_setting_does(three, tmp_path):
