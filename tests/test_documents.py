@@ -288,3 +288,16 @@ def test_an_evaluation_loader_gives_every_piece_once_and_equal_lengths_on_two_ra
         seen += [s for batch in batches for s in seen_in(batch)]
     assert lengths[0] == lengths[1] and lengths[0][0] == lengths[0][1]
     assert Counter((key, piece) for _, key, piece in seen) == expected
+
+
+def test_how_documents_are_rendered_is_part_of_the_resume_check_of_data_that_holds_them(docs):
+    t = stage()
+    plain = t.fingerprint()
+    assert t.fingerprint(documents=True) != plain
+    before = t.fingerprint(documents=True)
+    t.documents.wrap = [t.image_token_id, None]  # another image wrapper
+    assert t.fingerprint(documents=True) != before and t.fingerprint() == plain
+    loader = wdsvlm.Loader(docs, TOKENIZER, num_workers=0, **SETTINGS)
+    conversations = wdsvlm.Loader(EXAMPLE, TOKENIZER, num_workers=0, **SETTINGS)
+    assert loader.state_dict()["config"]["tokenizer"] == loader.tokenize.fingerprint(documents=True)
+    assert conversations.state_dict()["config"]["tokenizer"] == conversations.tokenize.fingerprint()

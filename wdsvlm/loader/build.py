@@ -80,6 +80,8 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         chat_template=settings.chat_template,
         stats=skips,
         sample_map=user_step(SampleMap, settings.map, settings),
+        max_length=settings.max_length,  # a document's pieces fit a pack
+        max_units=settings.tiles_per_pack,
     )
     # made before sizing the epoch: a fork server starts now, in the background
     options = dataloader_options(settings, tokenize.tokenizer, family)
@@ -141,7 +143,7 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         if by_tokens(plan)
         else None,
         shards_sha256=shards_sha256(plan),
-        tokenizer=tokenize.fingerprint(videos=has_videos(plan)),
+        tokenizer=tokenize.fingerprint(videos=has_videos(plan), documents=has_documents(plan)),
         batches_per_epoch=batches,
     )
     if plan.schedule is not None:  # adopted from the saved run by a resume
@@ -206,6 +208,12 @@ def shuffle_buffer(plan: Plan, settings: LoaderSettings) -> int:
 def has_videos(plan: Plan) -> bool:
     """Whether the index of any of the plan's sources counts videos."""
     return any(source.index.get("totals", {}).get("videos") for source in plan.sources)
+
+
+def has_documents(plan: Plan) -> bool:
+    """Whether the index of any of the plan's sources counts documents or captions."""
+    totals = [source.index.get("totals", {}) for source in plan.sources]
+    return any(t.get("documents") or t.get("captions") for t in totals)
 
 
 def topology(settings: LoaderSettings) -> WorkerConfig:

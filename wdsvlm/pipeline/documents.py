@@ -98,6 +98,10 @@ class Documents:
 
         self.separator = SEPARATOR
 
+    def fingerprint_facts(self) -> list:
+        """What decides how a document is rendered, for the resume check."""
+        return [self.bos, self.eos, self.wrap, self.separator]
+
     def take(
         self, record: dict, sample: dict, sizes: list, stats: SkipStats, sample_map: Any = None
     ) -> Document | None:

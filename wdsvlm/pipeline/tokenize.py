@@ -123,12 +123,13 @@ class Tokenize:
         self._specials = sorted(set(tok.all_special_tokens), key=len, reverse=True)
         check_template(tok, template, family.chat_messages(PROBE))
 
-    def fingerprint(self, videos: bool = False) -> str:
+    def fingerprint(self, videos: bool = False, documents: bool = False) -> str:
         """A short hash of the tokenizer in use (its vocabulary, added tokens included, and
         its special tokens; not its serialised form, which a new release of tokenizers may
         write differently): a resumed loader must tokenize as the saved one did. With
         ``videos`` (the data holds some), what the family makes of videos too: a dataset of
-        images keeps its fingerprint whatever the video processor's settings."""
+        images keeps its fingerprint whatever the video processor's settings; with
+        ``documents``, how documents are rendered (BOS, EOS, separator, image wrapper)."""
         import hashlib
 
         tok = self.tokenizer
@@ -136,6 +137,8 @@ class Tokenize:
         facts += self.family.fingerprint_facts()  # what a processor makes of images
         if videos and self.video is not None:
             facts.append(self.video.fingerprint_facts())
+        if documents:
+            facts.append(self.documents.fingerprint_facts())
         return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
 
     def render(
