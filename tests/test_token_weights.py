@@ -158,6 +158,18 @@ def test_every_rank_of_any_topology_works_out_the_same_numbers_and_passes(three)
     assert len(planned) == 1
 
 
+def test_samples_that_packing_drops_count_no_supervised_tokens(three):
+    """At ``max_length`` 640 about half of the long source's samples are too long and dropped
+    (``too_many_tokens``): its supervised tokens per sample fall to about half, so that it
+    gets twice the samples and keeps its token share."""
+    options = {"batch_size": 4, "weight_by": "tokens"}
+    whole = wdsvlm.Loader(sources(three), TOKENIZER, max_length=1024, **options)
+    cut = wdsvlm.Loader(sources(three), TOKENIZER, max_length=640, **options)
+    [short, _, long] = [s.supervised_per_sample for s in whole.plan.sources]
+    [short_cut, _, long_cut] = [s.supervised_per_sample for s in cut.plan.sources]
+    assert short_cut == short and 0.3 < long_cut / long < 0.7
+
+
 def test_a_mixture_file_weighs_by_tokens_as_the_loader_setting_does(three, tmp_path):
     items = [{"path": three[n], "name": n, "weight": w} for n, w in WEIGHTS.items()]
     path = tmp_path / "mixture.yaml"
