@@ -9,6 +9,8 @@ on some ranks only: an evaluation loader on rank 0): the same shards are measure
 rank, whatever its rank. A fault that every rank meets alike (a missing or malformed sidecar,
 an unreadable sample) leaves the same part out everywhere; a read that gave up on transient
 faults, which another rank may not have met, is an error instead of a silently different length.
+Weights by tokens take each source's supervised tokens per sample from here too, measured the
+same way (``supervised_per_sample``).
 """
 
 from __future__ import annotations
