@@ -6,8 +6,8 @@ then the rest of the row is filled by an exact subset-sum over the window's toke
 bitset knapsack: the best fill reachable, not the first that greedy finds), under both
 budgets: ``max_length`` tokens and ``max_tiles_per_pack`` image tiles. A fill that takes the
 largest sample that fits beside the first one is preferred when it is as good within
-``_PARTNER_SLACK``: exact fills made of small samples would otherwise leave the mid-sized
-ones to pile up in the window, and pack badly when it drains. Samples left out stay in the
+``_PARTNER_SLACK`` (``_FORCED_SLACK`` beside an oldest one): exact fills made of small samples
+would otherwise leave the mid-sized ones to pile up in the window. Samples left out stay in the
 window for later packs; none is dropped. At the end of a pass (and of the stream) the window
 drains by best-fit-decreasing over all it holds, or pack by pack when that needs fewer packs:
 one pack at a time would strand the long samples at the end without partners.
@@ -30,10 +30,10 @@ from .stats import tally
 log = logging.getLogger("wdsvlm.pack")
 
 # The share of max_length a fill may give up to take the largest sample that fits beside the
-# seed (see the module docstring). On scripts/bench_packing.py, against offline best-fit:
-# SmolVLM at 8192 +0.71 -> -0.28 pp, Qwen2.5-VL at 8192 +0.20 -> +0.07, the default mix at
-# 1024 +0.33 -> -0.69; 0.2% and 1% did worse, and trying the three largest no better.
-_PARTNER_SLACK = 0.005
+# seed: 0.5% (0.2% and 1% did worse on bench_packing.py), and 6% beside a seed that waited
+# max_wait: a mid-sized one, whose exact fill would take the small samples that later rows'
+# gaps need (bench_packing.py --family, bench_documents.py: see the design notes).
+_PARTNER_SLACK, _FORCED_SLACK = 0.005, 0.06
 
 # When the best token fill breaks the tile budget, the chosen sample with the most tiles per
 # token is set aside (it buys the fewest tokens with the scarce tiles; setting aside the one
@@ -354,7 +354,7 @@ class Packer:
             token_room,
             tile_room,
             best_fill(rest_tokens, rest_tiles, token_room, tile_room),
-            int(_PARTNER_SLACK * self.max_length),
+            int((_FORCED_SLACK if oldest_first else _PARTNER_SLACK) * self.max_length),
         )
         return sorted([seed] + [others[i] for i in rest])
 

@@ -9,6 +9,7 @@ random sizes between them); ``write_documents`` writes any list of them.
 from __future__ import annotations
 
 import io
+import math
 import os
 import random
 from collections.abc import Sequence
@@ -45,10 +46,13 @@ def random_documents(
     images: tuple[int, int] = (0, 4),
     sizes: Sequence[tuple[int, int]] = ((64, 48), (32, 32), (96, 64), (48, 80)),
     caption_share: float = 0.0,
+    log_words: bool = False,
 ) -> list[dict]:
     """``count`` documents ``{"kind", "elements", "sizes"}``: between ``words`` words of text
     in paragraphs and ``images`` images (of ``sizes``) placed between them; a
-    ``caption_share`` of them captions (one image, a short text)."""
+    ``caption_share`` of them captions (one image, a short text). ``log_words``: the number
+    of words drawn log-uniformly between the bounds (as many documents of 100 to 1,000 words
+    as of 1,000 to 10,000, as web documents run), else uniformly."""
     rng = random.Random(seed)
     out = []
     for _ in range(count):
@@ -62,7 +66,12 @@ def random_documents(
                 }
             )
             continue
-        n_words, n_images = rng.randint(*words), rng.randint(*images)
+        n_words = (
+            round(math.exp(rng.uniform(math.log(words[0]), math.log(words[1]))))
+            if log_words
+            else rng.randint(*words)
+        )
+        n_images = rng.randint(*images)
         paragraphs = []
         left = n_words
         while left > 0:
