@@ -36,6 +36,7 @@ sys.path.insert(0, REPO)
 from wdsvlm.format.documents import document_json  # noqa: E402
 from wdsvlm.pipeline.pack import Pack, vision_units  # noqa: E402
 from wdsvlm.pipeline.packer import best_fit_decreasing  # noqa: E402
+from wdsvlm.pipeline.stats import SkipStats  # noqa: E402
 from wdsvlm.testing.documents import random_documents  # noqa: E402
 
 # the published image settings of each family (its preprocessor_config.json)
@@ -93,12 +94,15 @@ def samples_of(docs: list[dict]) -> list[dict]:
     return out
 
 
-def pieces_of(samples: list[dict], family, max_length: int, max_units: int | None) -> list[dict]:
+def pieces_of(
+    samples: list[dict], family, max_length: int, max_units: int | None, stats=None
+) -> list[dict]:
     """The pieces the Loader's Tokenize makes of ``samples``, in its order; only what packing
-    reads is kept of each (its key, number, tokens, vision units), and where its images are."""
+    reads is kept of each (its key, number, tokens, vision units), and where its images are.
+    ``stats`` (a ``SkipStats``) counts what Tokenize skips or drops."""
     from wdsvlm.pipeline.tokenize import Tokenize
 
-    stage = Tokenize(family=family, max_length=max_length, max_units=max_units)
+    stage = Tokenize(family=family, max_length=max_length, max_units=max_units, stats=stats)
     out = []
     for piece in stage(iter(samples)):
         out.append(
@@ -111,7 +115,6 @@ def pieces_of(samples: list[dict], family, max_length: int, max_units: int | Non
                 "sizes": piece["__meta__"]["images"],
             }
         )
-    pieces_of.dropped = stage.stats.counts["image_over_budget"]  # images over every budget
     return out
 
 
@@ -179,10 +182,11 @@ def main() -> None:
         f"{'max_length':>10} {'budget':>7} {'pieces':>7} {'per doc min/med/p90/max':>24} "
         f"{'cut':>6} {'bfd fill':>9} {'wdsvlm':>8} {'gap':>8} {'bound':>6} {'s':>5}"
     )
+    skips = SkipStats()
     for length, per_token in [(n, b) for n in args.lengths for b in args.budgets_per_token]:
         budget = int(per_token * length)
         start = time.perf_counter()
-        pieces = pieces_of(samples, family, length, budget)
+        pieces = pieces_of(samples, family, length, budget, skips)
         ours, stats = loader_fill(pieces, length, budget, args.window)
         bfd = bfd_fill(pieces, length, budget)
         d = per_document(pieces)
@@ -195,7 +199,8 @@ def main() -> None:
     lengths = document_lengths(pieces)
     print(
         f"\ndocument tokens (text and images): min {lengths[0]}, median "
-        f"{statistics.median(lengths):g}, max {lengths[-1]}"
+        f"{statistics.median(lengths):g}, max {lengths[-1]}; images over every budget "
+        f"(dropped, all runs): {skips.counts['image_over_budget']}"
     )
 
 
