@@ -13,6 +13,10 @@ each, written once under ``--out``) of very different supervised tokens per samp
 each source's share of the supervised tokens (labels not ignored, ``num_loss_tokens``); the
 script prints each source's estimated supervised tokens per sample, its share over all
 batches, and the worst window.
+
+``--mix pretraining`` weighs a recipe's kinds instead: ``captions`` (an image and 5-30 words),
+``documents`` (20-1500 words and 0-4 images, cut into pieces at ``--max-length``) and the
+``long`` conversations, 0.5 / 0.3 / 0.2 (``wdsvlm/testing/documents.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import wdsvlm  # noqa: E402
 from wdsvlm.loader.report import supervised_by_source  # noqa: E402
 from wdsvlm.testing.conversations import conversation_dataset  # noqa: E402
+from wdsvlm.testing.documents import random_documents, write_documents  # noqa: E402
 
 TOKENIZER = os.path.join(os.path.dirname(HERE), "shards_example", "tokenizer")
 WEIGHTS = {"short": 0.5, "medium": 0.3, "long": 0.2}
@@ -44,6 +49,26 @@ def mixture(folder: str, samples: int, weight_by: str = "tokens") -> list[wdsvlm
         )
         for name, (turns, answer) in SHAPES.items()
     ]
+
+
+PRETRAINING = {"captions": 0.5, "documents": 0.3, "long": 0.2}
+
+
+def pretraining_mixture(folder: str, samples: int) -> list[wdsvlm.Source]:
+    """Captions, documents and long conversations, weighted as ``PRETRAINING``."""
+    made = {
+        "captions": lambda: random_documents(samples, seed=1, caption_share=1.0),
+        "documents": lambda: random_documents(samples, seed=2, words=(20, 1500), images=(0, 4)),
+    }
+    sources = []
+    for name, make in made.items():
+        path = os.path.join(folder, name)
+        if not os.path.exists(os.path.join(path, "index.json")):
+            write_documents(path, make(), per_shard=500, source=name)
+        sources.append(wdsvlm.Source(path, name=name, weight=PRETRAINING[name]))
+    turns, answer = SHAPES["long"]
+    path = conversation_dataset(folder, "long", samples, turns, answer, samples_per_shard=500)
+    return sources + [wdsvlm.Source(path, name="long", weight=PRETRAINING["long"])]
 
 
 def supervised_per_batch(loader: wdsvlm.Loader, batches: int) -> list[dict[str, int]]:
@@ -88,8 +113,13 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--weight-by", default="tokens", choices=("samples", "tokens"))
     parser.add_argument("--shuffle-buffer", type=int, default=None)
+    parser.add_argument("--mix", default="conversations", choices=("conversations", "pretraining"))
     args = parser.parse_args()
-    sources = mixture(os.path.join(args.out, str(args.samples)), args.samples)
+    folder = os.path.join(args.out, str(args.samples))
+    if args.mix == "pretraining":
+        sources, weights = pretraining_mixture(folder, args.samples), PRETRAINING
+    else:
+        sources, weights = mixture(folder, args.samples), WEIGHTS
     began = time.perf_counter()
     loader = wdsvlm.Loader(
         sources,
@@ -98,24 +128,26 @@ def main() -> None:
         batch_size=args.batch_size,
         weight_by=args.weight_by,
         shuffle_buffer=args.shuffle_buffer,
+        tile_size=32,  # small tiles: the images' decoding is not what is measured
+        max_image_side=64,
     )
     built = time.perf_counter() - began
     per_batch = supervised_per_batch(loader, args.batches)
     loader.close()
     estimates = {s.name: s.supervised_per_sample for s in loader.plan.sources}
-    worst = worst_windows(per_batch, WEIGHTS, args.window)
-    every = {name: sum(b.get(name, 0) for b in per_batch) for name in WEIGHTS}
+    worst = worst_windows(per_batch, weights, args.window)
+    every = {name: sum(b.get(name, 0) for b in per_batch) for name in weights}
     total = sum(every.values())
     print(
         f"weights by {args.weight_by}; Loader built in {built:.1f} s; {args.batches} batches of "
         f"{args.batch_size} x {args.max_length}, {total / args.batches:.0f} supervised tokens a "
         "batch"
     )
-    for name, weight in WEIGHTS.items():
+    for name, weight in weights.items():
         estimate = estimates[name]
         off, start = worst[name]
         print(
-            f"  {name:<6} weight {weight:.2f}: "
+            f"  {name:<9} weight {weight:.2f}: "
             + (f"{estimate:.1f} supervised tokens a sample (estimated), " if estimate else "")
             + f"share {every[name] / total:.2%} of all batches, worst window of {args.window} "
             f"at batch {start}: {100 * off:+.2f} points"
