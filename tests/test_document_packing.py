@@ -69,15 +69,16 @@ def test_a_piece_ends_short_only_before_an_image_that_does_not_fit(mix):
     assert short > 100  # the mix has images that end pieces early
 
 
-def test_a_sample_that_waited_takes_the_largest_partner_within_six_percent_of_the_best_fill():
+def test_a_sample_that_waited_takes_the_largest_partner_within_a_tenth_of_its_tokens():
     """A seed that waited ``max_wait`` packs (500 of 1000 tokens) could be filled exactly by
-    the small samples, but the fill holding the largest one that fits (450, leaving 5% of the
-    row empty) is taken: the small ones stay for the gaps that only they can fill."""
+    the small samples, but the fill holding the largest one that fits (460, leaving 40 tokens
+    empty: under a tenth of its 460) is taken: the small ones stay for the gaps that only
+    they can fill."""
     packer = Packer(1000, window=5, max_wait=0)  # the oldest waited long enough at once
-    for tokens in (500, 450, 200, 200, 100):
+    for tokens in (500, 460, 200, 200, 100):
         assert packer.push(tokens, tokens, 0) == []
     (first,) = packer.push(10, 10, 0)  # the window is full: one pack goes first
-    assert sorted(first) == [450, 500]
+    assert sorted(first) == [460, 500]
     assert sorted(w[1] for w in packer.waiting) == [10, 100, 200, 200]
 
 

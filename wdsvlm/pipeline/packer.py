@@ -6,15 +6,14 @@ then the rest of the row is filled by an exact subset-sum over the window's toke
 bitset knapsack: the best fill reachable, not the first that greedy finds), under both
 budgets: ``max_length`` tokens and ``max_tiles_per_pack`` image tiles. A fill that takes the
 largest sample that fits beside the first one is preferred when it is as good within
-``_PARTNER_SLACK`` (``_FORCED_SLACK`` beside an oldest one): exact fills made of small samples
+``_PARTNER_SLACK`` (``_FORCED_SHARE`` beside an oldest one): exact fills made of small samples
 would otherwise leave the mid-sized ones to pile up in the window. Samples left out stay in the
 window for later packs; none is dropped. At the end of a pass (and of the stream) the window
 drains by best-fit-decreasing over all it holds, or pack by pack when that needs fewer packs:
 one pack at a time would strand the long samples at the end without partners.
 
 Packing needs only ``(tokens, tiles)`` per sample, so it is a pure function of the input order
-and the settings: ``Packer`` does the work on those numbers; ``pack.Pack`` is the pipeline
-stage around it.
+and the settings: ``Packer`` works on those numbers; ``pack.Pack`` is the stage around it.
 """
 
 from __future__ import annotations
@@ -30,16 +29,15 @@ from .stats import tally
 log = logging.getLogger("wdsvlm.pack")
 
 # The share of max_length a fill may give up to take the largest sample that fits beside the
-# seed: 0.5% (0.2% and 1% did worse on bench_packing.py), and 6% beside a seed that waited
-# max_wait: a mid-sized one, whose exact fill would take the small samples that later rows'
-# gaps need (bench_packing.py --family, bench_documents.py: see the design notes).
-_PARTNER_SLACK, _FORCED_SLACK = 0.005, 0.06
+# seed (0.2% and 1% did worse on bench_packing.py), and beside a seed that waited max_wait
+# the share of that sample's tokens: such a seed is mid-sized, and its exact fill would take
+# the small samples later rows' gaps need (bench_documents.py: see the design notes).
+_PARTNER_SLACK, _FORCED_SHARE = 0.005, 0.1
 
 # When the best token fill breaks the tile budget, the chosen sample with the most tiles per
-# token is set aside (it buys the fewest tokens with the scarce tiles; setting aside the one
-# with the most tiles instead left 0.1 pp more padding on bench_packing.py --family
-# qwen2_5_vl --vision-budget 16384) and the fill searched again, at most this many times
-# before filling greedily.
+# token is set aside (the fewest tokens for the scarce tiles: 0.1 pp less padding than the one
+# with the most tiles on bench_packing.py --family qwen2_5_vl --vision-budget 16384) and the
+# fill searched again, at most this many times before filling greedily.
 _TILE_RETRIES = 8
 
 # A pack under this share of max_length that the vision budget ended counts as bound by it;
@@ -112,9 +110,10 @@ def with_partner(
     tile_room: int,
     best: list[int],
     slack: int,
+    share: float = 0.0,
 ) -> list[int]:
     """``best`` (a fill of the room), or the best fill that holds the largest sample that
-    fits, if that one comes within ``slack`` tokens of it."""
+    fits, if that one comes within ``slack`` tokens of it (or ``share`` of that sample's)."""
     fits = [j for j in range(len(tokens)) if tokens[j] <= token_room and tiles[j] <= tile_room]
     if not fits:
         return best
@@ -129,6 +128,7 @@ def with_partner(
         tile_room - tiles[partner],
     )
     alternative = sorted([partner] + [others[k] for k in fill])
+    slack = max(slack, int(share * tokens[partner]))
     if sum(tokens[i] for i in alternative) >= sum(tokens[i] for i in best) - slack:
         return alternative
     return best
@@ -251,10 +251,9 @@ class Packer:
     one pack before it takes the next sample); ``drain`` empties the window at the end.
     Oversized items are refused by ``push`` with the reason, never packed.
 
-    Each pack starts with the sample that is hardest to place later, the longest (as
-    best-fit-decreasing does), unless the oldest has already waited ``max_wait`` packs (default:
-    the window size), which bounds how long any sample stays; the best fill of the room left
-    follows.
+    Each pack starts with the longest sample (the hardest to place later, as best-fit-decreasing
+    does), or the oldest once it has waited ``max_wait`` packs (default: the window size), which
+    bounds how long any sample stays; the best fill of the room left follows.
     """
 
     def __init__(
@@ -354,7 +353,8 @@ class Packer:
             token_room,
             tile_room,
             best_fill(rest_tokens, rest_tiles, token_room, tile_room),
-            int((_FORCED_SLACK if oldest_first else _PARTNER_SLACK) * self.max_length),
+            int(_PARTNER_SLACK * self.max_length),
+            _FORCED_SHARE if oldest_first else 0.0,
         )
         return sorted([seed] + [others[i] for i in rest])
 
