@@ -65,6 +65,7 @@ class Document:
         self.elements = elements
         self.sizes = sizes
         self.text_ids: list[np.ndarray] = []  # its texts' tokens (``Documents.encode``)
+        self.image_numbers: dict[tuple, tuple[int, int]] = {}  # (w, h, alone): tokens, units
 
 
 def elements_of(record: dict) -> list[dict]:
@@ -253,8 +254,14 @@ class Documents:
         images = [doc.sizes[item[1]] for item in part if item[0] == "image"]
         alone = len(images) == 1
         tokens = sum(len(item[1]) for item in part if item[0] == "text")
-        tokens += sum(len(self.block(w, h, alone)) for w, h in images)
-        used = sum(self.family.image_cost(w, h, alone) for w, h in images)
+        used = 0
+        for w, h in images:
+            numbers = doc.image_numbers.get((w, h, alone))
+            if numbers is None:  # asked for again and again while the piece fills
+                numbers = len(self.block(w, h, alone)), self.family.image_cost(w, h, alone)
+                doc.image_numbers[w, h, alone] = numbers
+            tokens += numbers[0]
+            used += numbers[1]
         return tokens, used
 
     def _dropped(self, doc: Document, n: int, numbers: tuple[int, int], stats: SkipStats):
