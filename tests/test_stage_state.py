@@ -33,6 +33,17 @@ def shuffle_inputs():
     ]
 
 
+def sourced_inputs():
+    """``shuffle_inputs`` of two sources: every tenth sample long (its index entry says 2000
+    characters of answer), the others short."""
+    out = shuffle_inputs()
+    for s in out:
+        long = s["__pos__"] % 10 == 0
+        s["__source__"] = "long" if long else "short"
+        s["__meta__"] = {"chars": [30, 2000 if long else 20]}
+    return out
+
+
 def pack_inputs():
     """Two passes of 80 tokenized samples (only the numbers packing needs)."""
     rng = random.Random(0)
@@ -95,6 +106,8 @@ def stage_case(name, example_samples):
     """``(make the stage, the inputs)`` for the stage called ``name``."""
     if name == "shuffle":
         return lambda: Shuffle(buffer_size=10, seed=5), shuffle_inputs()
+    if name == "shuffle-by-tokens":
+        return lambda: Shuffle(buffer_size=10, seed=5, by_tokens=True), sourced_inputs()
     if name == "tokenize":
         return lambda: Tokenize(TOKENIZER, tokens_per_tile=2, batch_size=4), example_samples
     if name == "pack":
@@ -102,7 +115,7 @@ def stage_case(name, example_samples):
     return lambda: BalanceBatches(3, spread=2), balance_inputs()
 
 
-STAGES = ["shuffle", "tokenize", "pack", "balance"]
+STAGES = ["shuffle", "shuffle-by-tokens", "tokenize", "pack", "balance"]
 
 
 def upstream_after(inputs, state, consumed):
@@ -132,7 +145,7 @@ def test_a_stage_restored_from_its_state_mid_stream_yields_what_the_run_would_ha
         upstream = iter(copy.deepcopy(inputs))
         run = make()(pulled.append(x) or x for x in upstream)
         first = identity(list(itertools.islice(run, k)))
-        state = run.state()
+        state = type(run.state()).from_saved(run.state().saved())  # as a checkpoint holds it
         held = state.held_places()
         held_any = held_any or bool(held)
         assert all(isinstance(p, list) and len(p) == 2 for p in held)

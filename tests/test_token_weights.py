@@ -116,11 +116,14 @@ def run(loader, batches):
 def test_the_batches_hold_each_sources_token_share_of_the_supervised_tokens(three):
     """Weights 0.5 / 0.3 / 0.2 by tokens over sources of about 13, 124 and 548 supervised
     tokens a sample: over 150 batches of 4 x 1024 the batches' supervised tokens (labels not
-    ignored) are within 1 point of the weights. A window of 50 batches holds about 33 samples
-    of the long source, whose count the shuffle buffer's draws and the packing window vary by
-    about its square root (about 3.5 points of share): every window (sliding by 10) is within
-    6 points (`scripts/measure_token_shares.py` measures 200 batches of 8 x 2048). Weighted by
-    samples, the same weights give the long source about 72% of the supervised tokens."""
+    ignored) are within 1.5 points of the weights (the packing window holds back a few
+    thousand tokens of short samples at the start: 48.8% for the short source at 150 batches,
+    50.0% at 600). The shuffle buffer hands each source's tokens on as evenly as they came
+    (by tokens), so what moves a window of 50 batches (about 33 samples of the long source) is
+    the packing window's order: every window (sliding by 10) is within 4 points (3.1 here;
+    5.3 with the buffer's uniform draws; `scripts/measure_token_shares.py` measures 200
+    batches of 8 x 2048). Weighted by samples, the same weights give the long source about 72%
+    of the supervised tokens."""
     loader = wdsvlm.Loader(
         sources(three), TOKENIZER, max_length=1024, batch_size=4, weight_by="tokens"
     )
@@ -128,9 +131,9 @@ def test_the_batches_hold_each_sources_token_share_of_the_supervised_tokens(thre
     every = {name: sum(b.get(name, 0) for b in per_batch) for name in WEIGHTS}
     total = sum(every.values())
     for name, weight in WEIGHTS.items():
-        assert every[name] / total == pytest.approx(weight, abs=0.01), every
+        assert every[name] / total == pytest.approx(weight, abs=0.015), every
     worst = worst_windows(per_batch, WEIGHTS, 50)
-    assert max(abs(off) for off, _ in worst.values()) < 0.06, worst
+    assert max(abs(off) for off, _ in worst.values()) < 0.04, worst
     shares = loader.stats()["sources_supervised"]  # this epoch's, as the batches held them
     assert set(shares) == set(WEIGHTS) and sum(shares.values()) == pytest.approx(1.0)
 
@@ -198,3 +201,38 @@ def test_a_state_saved_weighing_by_tokens_resumes_exactly_and_not_by_samples(thr
     by_samples = wdsvlm.Loader(sources(three), TOKENIZER, max_length=1024, batch_size=4)
     with pytest.raises(ValueError, match="weight_by 'tokens' -> 'samples'"):
         by_samples.load_state_dict(state)
+
+
+def test_a_shuffle_by_tokens_hands_each_sources_tokens_on_as_evenly_as_they_came():
+    """A rare source of long samples (every 20th, 2000 characters of answer) among short
+    ones: drawn uniformly from a buffer of 500, its share of each window of 400 samples
+    handed on wanders; drawn by tokens, it stays near its share of what came in."""
+    from wdsvlm.pipeline.shuffle import Shuffle
+    from wdsvlm.pipeline.token_weights import supervised_estimate
+
+    def inputs():
+        for i in range(8000):
+            long = i % 20 == 0
+            yield {
+                "__key__": str(i),
+                "__pass__": 0,
+                "__pos__": i,
+                "__worker__": 0,
+                "__source__": "long" if long else "short",
+                "__meta__": {"chars": [30, 2000 if long else 20]},
+            }
+
+    def worst(by_tokens: bool) -> float:
+        out = list(Shuffle(500, seed=1, by_tokens=by_tokens)(inputs()))
+        shares = []
+        for start in range(1000, len(out) - 1400, 100):  # past the buffer's filling
+            window = out[start : start + 400]
+            tokens = [supervised_estimate(s["__meta__"]) for s in window]
+            long = sum(t for t, s in zip(tokens, window, strict=True) if s["__source__"] == "long")
+            shares.append(long / sum(tokens))
+        came = sum(supervised_estimate(s["__meta__"]) for s in inputs() if s["__pos__"] % 20 == 0)
+        every = sum(supervised_estimate(s["__meta__"]) for s in inputs())
+        return max(abs(x - came / every) for x in shares)
+
+    uniform, even = worst(False), worst(True)
+    assert even < 0.02 and even < uniform / 3, (uniform, even)

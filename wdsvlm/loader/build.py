@@ -107,7 +107,12 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
     stream = Stream(
         plan,
         reader(settings, skips),
-        Shuffle(shuffle_buffer(plan, settings), settings.shuffle_bytes, settings.seed),
+        Shuffle(
+            shuffle_buffer(plan, settings),
+            settings.shuffle_bytes,
+            settings.seed,
+            by_tokens=by_tokens(plan),  # each source's tokens leave as evenly as they came
+        ),
         tokenize,
         pack,
         BalanceBatches(settings.batch_size),
