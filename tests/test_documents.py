@@ -301,3 +301,31 @@ def test_how_documents_are_rendered_is_part_of_the_resume_check_of_data_that_hol
     conversations = wdsvlm.Loader(EXAMPLE, TOKENIZER, num_workers=0, **SETTINGS)
     assert loader.state_dict()["config"]["tokenizer"] == loader.tokenize.fingerprint(documents=True)
     assert conversations.state_dict()["config"]["tokenizer"] == conversations.tokenize.fingerprint()
+
+
+def test_no_piece_is_a_lone_end_token_that_would_train_on_nothing():
+    text = "the quick brown fox jumps over the lazy dog " * 5
+    whole = stage()
+    n = len(whole.documents.encode_texts([text])[0])
+    sample = document_sample([{"text": text}], [])
+    (one,) = whole.encode([dict(sample)])
+    pieces = stage(max_length=n).encode([dict(sample)])  # the text fills a row: the EOS over
+    assert [p["num_tokens"] for p in pieces] == [n - 1, 2]
+    assert [int((p["labels"] != IGNORE_INDEX).sum()) for p in pieces] == [n - 2, 1]
+    assert np.array_equal(np.concatenate([p["input_ids"] for p in pieces]), one["input_ids"])
+
+
+def test_an_image_the_family_refuses_is_dropped_and_counted_and_its_document_kept():
+    from wdsvlm.families import family_of
+    from wdsvlm.testing.tiny import tiny_processor
+
+    sample = document_sample(
+        [{"text": "before"}, {"image": 0}, {"text": "after"}, {"image": 1}], [(1000, 4), (32, 32)]
+    )
+    stats = SkipStats()
+    t = Tokenize(family=family_of(tiny_processor("qwen2_vl")), max_length=256, stats=stats)
+    pieces = t.encode([sample])  # Qwen refuses an aspect ratio over 200
+    assert stats.counts == Counter({"unusable_image": 1})
+    assert stats.examples["unusable_image"] == ["s.tar/d0.0"]
+    assert [p["__meta__"]["document_images"] for p in pieces] == [[1]]
+    assert t.documents.estimated({"images": [[1000, 4], [32, 32]], "elements": [6, -1, 5, -1]}, 3.5)

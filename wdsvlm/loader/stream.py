@@ -42,7 +42,7 @@ from ..errors import StorageError, WdsvlmError
 from ..pipeline.collate import Collate
 from ..pipeline.pack import BalanceBatches, BalanceRun, Pack, PackRun, count_held
 from ..pipeline.packer import PackStats
-from ..pipeline.places import Fetch, Place
+from ..pipeline.places import Fetch, Place, place
 from ..pipeline.plan import Plan
 from ..pipeline.read import ReadSamples
 from ..pipeline.shuffle import Shuffle
@@ -267,11 +267,11 @@ class Stream(IterableDataset):
             for stage in before:
                 passed = stage.again(samples)
                 if len(passed) != len(samples):
-                    kept = {id(s) for s in passed}  # the stages hand on the same dicts
+                    kept = {tuple(place(s)) for s in passed}  # (a piece is a new dict)
                     lost = [
                         f"{s.get('__shard__')}/{s.get('__key__')}"
                         for s in samples
-                        if id(s) not in kept
+                        if tuple(place(s)) not in kept
                     ]
                     raise WdsvlmError(
                         f"cannot resume: samples the saved state holds no longer pass the "

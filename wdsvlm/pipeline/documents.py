@@ -25,11 +25,13 @@ being filled if it fits there, else starts the next one; a text fills what is le
 piece at token boundaries and goes on in the next. An image that fits neither there nor in a
 piece on its own is dropped whole and counted (``image_over_budget``, named ``SHARD/KEY.n``),
 the rest of its document kept (a LLaVA-OneVision image too large alone as crops is kept as
-one view beside the piece's other images, where they fit). Concatenated in order, the pieces
-are the whole document's tokens. Each piece is a sample of its own (``__piece__``: its
-number), with its images only: it packs, decodes and runs through the model as any sample,
-alone. An image's tokens depend on whether it is its sample's only one (LLaVA-OneVision), so
-they are those of the piece it is in.
+one view beside the piece's other images, where they fit); so is one the family refuses
+(``unusable_image``: Qwen's aspect ratio over 200). A last piece of one token (the EOS after
+a text that filled its piece) would train on nothing: it takes the text's last token along.
+Concatenated in order, the pieces are the whole document's tokens. Each piece is a sample of
+its own (``__piece__``: its number), with its images only: it packs, decodes and runs through
+the model as any sample, alone. An image's tokens depend on whether it is its sample's only
+one (LLaVA-OneVision), so they are those of the piece it is in.
 
 Where pieces go: a document's pieces leave the tokenizer one after another, in the worker
 that read the document, and the packing window then places them as any samples: in that
@@ -50,7 +52,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..format.documents import check_elements, kind_of
-from ..format.images import image_members
+from ..format.images import UnusableImage, image_members
 from ..format.members import media_number
 from .placeholders import IGNORE_INDEX
 from .stats import SkipStats, sample_name
@@ -226,6 +228,12 @@ class Documents:
         for item in items:
             if item[0] == "image":
                 n = item[1]
+                try:  # alone, and as one of several (LLaVA-OneVision's differ)
+                    self._numbers([item, item], doc), self._numbers([item], doc)
+                except UnusableImage as e:  # the family refuses its size
+                    if dropped is not None:
+                        dropped(n, e)
+                    continue
                 tokens, used = self._numbers(pieces[-1] + [item], doc)
                 if tokens <= limit and used <= units:  # beside the piece's images: as one
                     pieces[-1].append(item)  # of several (LLaVA-OneVision: one view, not crops)
@@ -247,7 +255,14 @@ class Documents:
                 share = chars if len(take) == len(ids) else round(item[2] * len(take) / total)
                 pieces[-1].append(("text", take, share))  # its characters, in proportion
                 ids, chars = ids[len(take) :], chars - share
-        return [part for part in pieces if part]
+        pieces = [part for part in pieces if part]
+        last = pieces[-1] if pieces else []
+        if len(pieces) > 1 and len(last) == 1 and last[0][0] == "text" and len(last[0][1]) == 1:
+            before = pieces[-2][-1]  # a piece of the end token alone would train on nothing:
+            if before[0] == "text" and len(before[1]) > 1:  # it takes the last token before
+                pieces[-2][-1] = ("text", before[1][:-1], before[2])
+                last.insert(0, ("text", before[1][-1:], 0))
+        return pieces
 
     def _numbers(self, part: list[tuple], doc: Document) -> tuple[int, int]:
         """Tokens and vision units of a piece holding ``part``."""
@@ -264,16 +279,26 @@ class Documents:
             used += numbers[1]
         return tokens, used
 
-    def _dropped(self, doc: Document, n: int, numbers: tuple[int, int], stats: SkipStats):
+    def _dropped(self, doc: Document, n: int, why: Any, stats: SkipStats):
+        """Count image ``n`` of ``doc`` dropped (named ``SHARD/KEY.n``): over every budget
+        (``why``: its tokens and units alone), or refused by the family (``why``: the
+        error)."""
         sample = doc.sample
         name = {"__shard__": sample.get("__shard__"), "__key__": f"{sample.get('__key__')}.{n}"}
+        if isinstance(why, UnusableImage):
+            reason, detail = "unusable_image", f"image {n} of the document: {why}"
+        else:
+            reason = "image_over_budget"
+            detail = (
+                f"image {n} of the document needs {why[0]} tokens and {why[1]} "
+                f"{self.family.unit_name} alone, over max_length {self.max_length} or the "
+                f"vision budget {self.max_units}"
+            )
         stats.skip(
             "tokenize",
-            "image_over_budget",
+            reason,
             name,
-            f"image {n} of the document needs {numbers[0]} tokens and {numbers[1]} "
-            f"{self.family.unit_name} alone, over max_length {self.max_length} or the vision "
-            f"budget {self.max_units}; dropped, the rest of the document kept",
+            f"{detail}; dropped, the rest of the document kept",
             streak=False,
         )
 
