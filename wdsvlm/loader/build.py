@@ -83,8 +83,6 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         max_length=settings.max_length,  # a document's pieces fit a pack
         max_units=settings.tiles_per_pack,
     )
-    # made before sizing the epoch: a fork server starts now, in the background
-    options = dataloader_options(settings, tokenize.tokenizer, family)
     pad_token_id = pad_of(tokenize.tokenizer)
     pack = Pack(
         settings.max_length,
@@ -101,6 +99,9 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
             f"{settings.num_workers}); every worker needs at least one sample a pass: use "
             "fewer workers"
         )
+    # made before sizing the epoch, once the plan holds: a fork server starts now, in the
+    # background
+    options = dataloader_options(settings, tokenize.tokenizer, family)
     batches = epoch_batches(plan, tokenize, pack, settings, worker_config)
     if plan.schedule is not None:
         time_schedule(plan, tokenize, pack, settings, worker_config)
