@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..format.documents import check_elements, kind_of
+from ..format.documents import SEPARATOR, check_elements, kind_of
 from ..format.images import UnusableImage, image_members
 from ..format.members import media_number
 from .placeholders import IGNORE_INDEX
@@ -95,10 +95,7 @@ class Documents:
         bos = tok.bos_token_id
         self.bos = [bos] if bos is not None and ids[:1] == [bos] else []
         self.eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
-        wrap = getattr(family, "image_wrap", ("", ""))
-        self.wrap = [tok.convert_tokens_to_ids(t) if t else None for t in wrap]
-        from ..format.documents import SEPARATOR
-
+        self.wrap = [tok.convert_tokens_to_ids(t) if t else None for t in family.image_wrap]
         self.separator = SEPARATOR
 
     def fingerprint_facts(self) -> list:
@@ -184,17 +181,12 @@ class Documents:
     def pieces(self, doc: Document, text_ids: list[np.ndarray], stats: SkipStats) -> list[dict]:
         """The document's pieces as samples (see the module), images over every budget
         dropped and counted in ``stats``."""
-        items: list[tuple] = []  # ("text", ids, characters) or ("image", number)
-        if self.bos:
-            items.append(("text", np.asarray(self.bos, dtype=np.int64), 0))
         texts = iter(text_ids)
-        for element in doc.elements:
-            if "text" in element:
-                items.append(("text", next(texts), len(element["text"])))
-            else:
-                items.append(("image", element["image"]))
-        if self.eos:
-            items.append(("text", np.asarray(self.eos, dtype=np.int64), 0))
+        body = [  # ("text", ids, characters) or ("image", number)
+            ("text", next(texts), len(e["text"])) if "text" in e else ("image", e["image"])
+            for e in doc.elements
+        ]
+        items = self._ends(body)
         parts = self._split(
             items, doc.sizes, lambda n, numbers: self._dropped(doc, n, numbers, stats)
         )
@@ -205,18 +197,22 @@ class Documents:
         ``entry``, its texts estimated at ``per_text_token`` characters a token (how the
         Loader sizes an epoch before reading it)."""
         sizes = [tuple(wh) for wh in entry.get("images", [])]
-        items: list[tuple] = [("text", np.zeros(len(self.bos), np.int64), 0)] if self.bos else []
-        shown = 0
+        body, shown = [], 0
         for n in entry.get("elements", []):
             if n < 0:
-                items.append(("image", shown))
+                body.append(("image", shown))
                 shown += 1
             else:
-                tokens = max(1, round(n / per_text_token))
-                items.append(("text", np.zeros(tokens, np.int64), n))
-        items.append(("text", np.zeros(len(self.eos), np.int64), 0))
+                body.append(("text", np.zeros(max(1, round(n / per_text_token)), np.int64), n))
+        items = self._ends(body)
         fake = Document({}, [], sizes)
         return [self._numbers(part, fake) for part in self._split(items, sizes, None)]
+
+    def _ends(self, body: list[tuple]) -> list[tuple]:
+        """A document's items: its BOS (where the tokenizer puts one), ``body``, its EOS."""
+        head = [("text", np.asarray(self.bos, dtype=np.int64), 0)] if self.bos else []
+        tail = [("text", np.asarray(self.eos, dtype=np.int64), 0)] if self.eos else []
+        return head + body + tail
 
     def _split(self, items: list[tuple], sizes: list, dropped: Any) -> list[list[tuple]]:
         """``items`` (a document's, in order) cut into pieces (see the module); an image that
