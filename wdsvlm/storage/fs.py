@@ -150,10 +150,50 @@ class ReadPolicy:
     max_backoff: float = 5.0
     timeout: float = 60.0
     """Seconds one request may take (a stalled one then counts as a transient failure)."""
+    requests_per_second: float | None = None
+    """The most requests a second the processes of one node send together (None: no cap);
+    shared through a file in ``node_dir``."""
+    node_dir: str | None = None
+    """A node-local folder for what the node's processes share (the shard table's copy, the
+    request budget); None: the Loader's ``local_dir``, else the cache folder, else a
+    temporary folder (``storage.node.node_folder``)."""
 
     def __post_init__(self):
         if self.block_bytes < 1 or self.attempts < 1 or self.timeout <= 0:
             raise ValueError(f"invalid read policy: {self}")
+
+
+class RequestCounts:
+    """What reads asked of a store, added up (thread-safe; pickles as its figures):
+    ``requests`` sent (every try), ``bytes`` received, ``throttled`` answers (503 SlowDown,
+    429, ...) and ``retries`` after faults."""
+
+    FIELDS = ("requests", "bytes", "throttled", "retries")
+
+    def __init__(self, **counts: int):
+        self._lock = threading.Lock()
+        self.requests = self.bytes = self.throttled = self.retries = 0
+        self.add(**counts)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                if name not in self.FIELDS:
+                    raise ValueError(f"{name} is not one of {self.FIELDS}")
+                setattr(self, name, getattr(self, name) + value)
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return {name: getattr(self, name) for name in self.FIELDS}
+
+    def __getstate__(self):
+        return self.as_dict()
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+    def __repr__(self) -> str:
+        return f"RequestCounts({self.as_dict()})"
 
 
 # Error codes of answers that will not change by asking again (matched as whole words in the
@@ -247,6 +287,7 @@ def read_range(
     storage_options: Mapping[str, Any] | None = None,
     policy: ReadPolicy | None = None,
     cancel: threading.Event | None = None,
+    counts: RequestCounts | None = None,
 ) -> bytes:
     """Bytes ``[start, stop)`` of ``url``, fetched ``policy.block_bytes`` at a time.
 
@@ -257,7 +298,8 @@ def read_range(
     naming the URL, the byte offset and the cause; any other exception (a bug) is raised as
     it is, at once. Fewer bytes than asked mean the object ends early.
     ``stop=None``: to the end of the object, in one request. Setting ``cancel`` ends the read
-    (``StorageError``) before its next request or retry.
+    (``StorageError``) before its next request or retry. ``counts``: where its requests,
+    bytes, throttled answers and retries are added.
     """
     policy = policy or ReadPolicy()
     fs, path = filesystem(url, storage_options)
@@ -266,8 +308,15 @@ def read_range(
     while stop is None or at < stop:
         end = None if stop is None else min(stop, at + policy.block_bytes)
         data = _retrying(
-            url, at, lambda a=at, e=end: _fetch(fs, path, a, e, policy.timeout), policy, cancel
+            url,
+            at,
+            lambda a=at, e=end: _fetch(fs, path, a, e, policy.timeout),
+            policy,
+            cancel,
+            counts,
         )
+        if counts is not None:
+            counts.add(bytes=len(data))
         if not data:
             break  # the object ends before stop
         parts.append(data)
@@ -280,7 +329,10 @@ def read_range(
 
 
 def object_size(
-    url: str, storage_options: Mapping[str, Any] | None = None, policy: ReadPolicy | None = None
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    policy: ReadPolicy | None = None,
+    counts: RequestCounts | None = None,
 ) -> int | None:
     """The size of the file or object at ``url`` (one request to a store: a HEAD), asked for
     again on transient errors as ``read_range`` does; ``None`` where the store does not say
@@ -288,11 +340,18 @@ def object_size(
     there."""
     policy = policy or ReadPolicy()
     fs, path = filesystem(url, storage_options)
-    size = _retrying(url, 0, lambda: fs.size(path), policy, None)
+    size = _retrying(url, 0, lambda: fs.size(path), policy, None, counts)
     return None if size is None else int(size)
 
 
-def _retrying(url: str, at: int, request, policy: ReadPolicy, cancel: threading.Event | None):
+def _retrying(
+    url: str,
+    at: int,
+    request,
+    policy: ReadPolicy,
+    cancel: threading.Event | None,
+    counts: RequestCounts | None = None,
+):
     """``request()``, asked again after a backoff with jitter while it fails with a transient
     error, ``policy.attempts`` tries in all. A permanent error of the store raises
     ``StorageError`` (``ObjectNotFoundError`` for a missing object) naming ``url`` and the byte
@@ -301,6 +360,8 @@ def _retrying(url: str, at: int, request, policy: ReadPolicy, cancel: threading.
     while True:
         if cancel is not None and cancel.is_set():
             raise StorageError(f"{url}: read cancelled at byte {at}")
+        if counts is not None:
+            counts.add(requests=1)
         try:
             return request()
         except Exception as e:  # noqa: BLE001 - classified below; every path re-raises or retries
@@ -319,6 +380,8 @@ def _retrying(url: str, at: int, request, policy: ReadPolicy, cancel: threading.
                 raise StorageError(
                     f"{url}: gave up at byte {at} after {failures} attempts; last: {cause}"
                 ) from e
+            if counts is not None:
+                counts.add(retries=1)
             log.info("%s: retrying from byte %d (%s)", url, at, cause)
             wait = min(policy.max_backoff, policy.backoff * 2 ** (failures - 1))
             if cancel is not None:
