@@ -179,13 +179,18 @@ def root_index(
     prefix: str | None = None,
     layout: Mapping[str, Any] | None = None,
     shard_root: str | None = None,
+    prefixes: int | None = None,
 ) -> dict:
     """The root ``index.json`` of ``shards`` (their root entries): the writer's names its
-    shards' ``prefix``; one of tars made elsewhere names their sample ``layout`` and, when
-    it lies apart from them, where they are (``shard_root``)."""
+    shards' ``prefix`` and, where it spread them over prefix folders, their number
+    (``prefixes``: for the record; the shards' names say where each is); one of tars made
+    elsewhere names their sample ``layout`` and, when it lies apart from them, where they are
+    (``shard_root``)."""
     index: dict[str, Any] = {"format": FORMAT, "version": VERSION}
     if prefix is not None:
         index["prefix"] = prefix
+    if prefixes is not None:
+        index["prefixes"] = prefixes
     if layout is not None:
         index["layout"] = dict(layout)
     index["shards"] = shards

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import ShardFormatError
 from ..storage.fs import filesystem, join, read_bytes
+from .prefixes import placed
 
 FORMAT = "wdsvlm"
 VERSION = 3
@@ -32,8 +33,10 @@ INDEX_SKIPPED_NAME = "index-skipped.jsonl"
 tars of a written dataset again leaves the writer's list as it was."""
 
 
-def shard_name(prefix: str, number: int) -> str:
-    return f"{prefix}-{number:06d}.tar"
+def shard_name(prefix: str, number: int, prefixes: int | None = None) -> str:
+    """The writer's name of shard ``number``: ``PREFIX-000123.tar``, in its prefix folder
+    when the shards are spread over ``prefixes`` folders (``prefixes.placed``)."""
+    return placed(f"{prefix}-{number:06d}.tar", number, prefixes)
 
 
 def sample_key(number: int) -> str:
@@ -88,7 +91,9 @@ def load_index(source: str, storage_options: Mapping[str, Any] | None = None, po
 
 def shard_url(source: str, index: Mapping[str, Any], shard: Mapping[str, Any]) -> str:
     """Where a shard of the index of ``source`` lies: beside the index, or under the index's
-    ``shard_root`` (an index made by ``wdsvlm index --output`` for tars elsewhere)."""
+    ``shard_root`` (an index made by ``wdsvlm index --output`` for tars elsewhere). Its name
+    is its path there, a folder in it where it has one (``4/data-000001.tar``: written with
+    ``--prefixes``; ``part-000/data-000000.tar``: merged)."""
     root = index.get("shard_root")
     if root is None:
         return join(source, shard["name"])

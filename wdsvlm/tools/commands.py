@@ -40,6 +40,7 @@ def write(args: argparse.Namespace) -> None:
         samples_per_shard=args.samples_per_shard,
         max_shard_bytes=args.max_shard_bytes,
         prefix=args.prefix,
+        prefixes=args.prefixes,
         workers=args.workers,
         skip_bad=args.skip_bad,
         overwrite=args.overwrite,

@@ -11,9 +11,10 @@ The same writer as on one machine (``writer.write_dataset``), with its work as R
   Units run at most two per CPU of the cluster at once and come back in input order.
 - **Shards**: the driver cuts the checked samples (sizes and image references, never image
   bytes) into shards with the local writer's rule, and each shard is written by a task
-  straight to the output URL (read images, write the tar to a staging file, publish it,
-  publish its sidecar) and returns its root-index entry. A task whose worker dies is run
-  again by Ray (``max_retries``); a shard appears only whole, under the same name and bytes.
+  straight to the output URL, in its prefix folder with ``prefixes`` (read images, write
+  the tar to a staging file, publish it, publish its sidecar) and returns its root-index
+  entry. A task whose worker dies is run again by Ray (``max_retries``); a shard appears
+  only whole, under the same name and bytes.
 - **Index**: the driver merges the entries in shard order and writes ``index.json`` last.
 
 So the output is byte-identical to ``--engine local`` and the same for any number of Ray

@@ -196,11 +196,13 @@ def write_shard(
     output: str,
     prefix: str,
     storage_options: Mapping[str, Any] | None = None,
+    prefixes: int | None = None,
 ) -> dict:
-    """Write one planned shard and its sidecar (the samples' entries); return its entry in
-    the root index."""
+    """Write one planned shard and its sidecar (the samples' entries), in its prefix folder
+    where the shards are spread over ``prefixes`` folders; return its entry in the root
+    index."""
     number, first, samples = plan
-    name = shard_name(prefix, number)
+    name = shard_name(prefix, number, prefixes)
     url = join(output, name)
     tmp = staging_file(url, storage_options)
     try:

@@ -7,7 +7,9 @@ and elements, in the layout the tars hold (``layouts``: wdsvlm's own, captions, 
 MINT-1T's; ``format.tarscan`` reads a tar). The root ``index.json`` records the layout, so the
 Loader, ``inspect`` and ``stats`` read these tars as they read wdsvlm's own.
 
-The index and the shards' sidecars go beside the tars, or to ``output`` when the tars' place
+The tars are found in a folder and the folders under it (shards written with ``--prefixes``
+lie in prefix folders), named in the index by their path there; the index and the shards'
+sidecars (each at its tar's path) go beside the tars, or to ``output`` when the tars' place
 is read-only; then the index names where the tars are (``shard_root``). Bad samples are
 counted by reason and listed in ``index-skipped.jsonl``; without ``skip_bad`` they stop the
 run with no ``index.json`` written. An image a layout leaves out of a document it keeps (a
@@ -42,9 +44,10 @@ from ..format.containers import MAX_VIDEO_PIXELS
 from ..format.documents import KINDS
 from ..format.index import INDEX_NAME, INDEX_SKIPPED_NAME
 from ..format.layouts import LAYOUTS, Layout, detect
+from ..format.prefixes import find_tars
 from ..format.tarscan import first_samples, scan_tar
 from ..progress import progress
-from ..storage.fs import exists, join, list_names, remove
+from ..storage.fs import exists, join, remove
 from .pool import process_pool
 
 log = logging.getLogger("wdsvlm.tarindex")
@@ -94,14 +97,16 @@ class IndexSummary:
 
 
 def tar_urls(source: str | Sequence[str], storage_options=None) -> tuple[str, list[str]]:
-    """``(the tars' folder, their URLs)``: every ``.tar`` in a folder or URL prefix (sorted),
-    or a brace pattern or list of tar URLs (in their order)."""
+    """``(the tars' folder, their URLs)``: every ``.tar`` in a folder or URL prefix and in
+    the folders under it, at any depth (``prefixes.find_tars``: by file name, then folder; the
+    index names each by its path there, such as ``4/data-000001.tar``), or a brace pattern
+    or list of tar URLs (in their order)."""
     import braceexpand
 
     if isinstance(source, str) and not source.endswith(".tar"):
-        names = sorted(n for n in list_names(source, storage_options) if n.endswith(".tar"))
+        names = find_tars(source, storage_options)
         if not names:
-            raise FileNotFoundError(f"no .tar files in {source}")
+            raise FileNotFoundError(f"no .tar files in {source} (nor in the folders under it)")
         return source.rstrip("/"), [join(source, n) for n in names]
     patterns = [source] if isinstance(source, str) else list(source)
     urls = [u for p in patterns for u in braceexpand.braceexpand(p)]

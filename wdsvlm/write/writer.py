@@ -6,8 +6,9 @@ worker count gives the same shards) and each shard is written as soon as it is f
 engine's workers (``engines``: this machine's processes, or Ray). A bad record without
 ``skip_bad`` stops the writes, the rest is only checked so that every bad record is named,
 and what was written is removed. Replacing a dataset checks the new input first, so bad input
-leaves the old one whole. Each shard appears only when complete; ``index.json`` is written
-last (``format.builder`` makes it).
+leaves the old one whole. Each shard appears only when complete, beside the index or, with
+``prefixes``, in its prefix folder (``format.prefixes``); ``index.json`` is written last
+(``format.builder`` makes it).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from ..format.builder import (
 )
 from ..format.containers import MAX_VIDEO_PIXELS
 from ..format.index import INDEX_NAME, SKIPPED_NAME
+from ..format.prefixes import check_prefixes, remove_stale_shards
 from ..format.tarball import BLOCK
 from ..progress import progress
-from ..storage.fs import exists, join, list_names, remove
+from ..storage.fs import exists, join, remove
 from .documents import MIN_SIM, DocumentOptions
 from .inputs import FORMATS, expand_inputs
 from .shards import plan_shards, write_shard
@@ -69,6 +71,10 @@ class WriteOptions:
     """A shard closes before it would grow past this; a larger single sample gets its own."""
     prefix: str = "data"
     """Shards are named ``PREFIX-000000.tar``, ``PREFIX-000001.tar``, ..."""
+    prefixes: int | None = None
+    """Spread the shards (and their sidecars) over this many prefix folders
+    (``4/data-000001.tar``), so that an object store such as S3 serves their requests from
+    as many partitions (``format.prefixes``); None: every shard beside the index."""
     workers: int = 1
     """Processes that read inputs and write shards; the output is the same for any count."""
     skip_bad: bool = False
@@ -97,6 +103,7 @@ class WriteOptions:
         if self.max_video_pixels < 1:
             raise ValueError(f"max_video_pixels must be at least 1, not {self.max_video_pixels}")
         DocumentOptions(self.image_folder, self.min_sim)  # checks them
+        check_prefixes(self.prefixes)
         if self.index_version not in (2, 3):
             raise ValueError(f"index_version must be 2 or 3, not {self.index_version!r}")
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_-]*", self.prefix):
@@ -246,9 +253,9 @@ def write_dataset(
             sum(dropped.values()),
             dropped,
         )
-    index = root_index(shards, totals, skipped, prefix=opts.prefix)
+    index = root_index(shards, totals, skipped, prefix=opts.prefix, prefixes=opts.prefixes)
     publish_root(output, index, storage_options, opts.index_version)
-    _remove_stale_shards(output, opts.prefix, len(shards), storage_options)
+    remove_stale_shards(output, opts.prefix, len(shards), opts.prefixes, storage_options)
     shards.close()
     totals = index["totals"]
     return WriteSummary(
@@ -276,7 +283,13 @@ def _write_shards(run: Engine, checked: Iterator, output: str, opts: WriteOption
     every bad record is reported)."""
     totals, bad, shards = Totals(), [], SpilledShards()
     n_good = 0  # good records, written or (after a bad one, without skip_bad) only checked
-    write = partial(write_shard, output=output, prefix=opts.prefix, storage_options=storage_options)
+    write = partial(
+        write_shard,
+        output=output,
+        prefix=opts.prefix,
+        storage_options=storage_options,
+        prefixes=opts.prefixes,
+    )
 
     def good():
         nonlocal n_good
@@ -332,14 +345,3 @@ def _refuse_bad(bad: list[InputError], good: int, skip_bad: bool, inputs: list) 
         f"them in {SKIPPED_NAME})",
         empty=f"no records in {', '.join(inputs)}: nothing to write",
     )
-
-
-def _remove_stale_shards(output: str, prefix: str, count: int, storage_options) -> None:
-    """Shards (and sidecars) of this prefix that the new index of ``count`` shards (numbered
-    from 0) does not list are left-overs: remove them."""
-    pattern = re.compile(re.escape(prefix) + r"-(\d{6,})\.(tar|idx)")
-    for name in list_names(output, storage_options):
-        found = pattern.fullmatch(name)
-        if found and int(found.group(1)) >= count:
-            log.info("removing %s: left over from an earlier write, not in the new index", name)
-            remove(join(output, name), storage_options)
