@@ -30,6 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -174,6 +175,11 @@ for a remote one)."""
 _cache_lock = threading.Lock()
 
 
+counting: ContextVar = ContextVar("wdsvlm_sidecar_counts", default=None)
+"""Where this thread's reads of sidecars from a store are counted (a
+``storage.fs.RequestCounts``), if anywhere: the read stage sets it while the plan makes a span."""
+
+
 class LazyEntries(Sequence):
     """A version-2 shard's entries, read from its sidecar when first asked for (then kept in
     a per-process cache of the last ``_CACHED`` sidecars). Its length is the root index's
@@ -227,13 +233,18 @@ class LazyEntries(Sequence):
                 return entries
             with _cache_lock:  # changed on disk since it was read: read and check it again
                 _cache.pop(key, None)
-        from ..storage.fs import filesystem, is_local, read_bytes
+        from ..storage.fs import filesystem, is_local, read_bytes, read_range
 
         fs, path = filesystem(self.url, self.storage_options)
         local = is_local(fs)
         try:
             stat = _stat(path) if local else None
-            data = read_bytes(self.url, self.storage_options, self.policy)
+            counts = counting.get()
+            if counts is None or "://" not in self.url:
+                data = read_bytes(self.url, self.storage_options, self.policy)
+            else:  # as read_bytes reads it, counted
+                options, policy = self.storage_options, self.policy
+                data = read_range(self.url, 0, None, options, policy, None, counts)
         except FileNotFoundError:
             raise ShardFormatError(
                 f"{self.url}: the shard's sidecar is missing (it keeps the shard's sample offsets)"

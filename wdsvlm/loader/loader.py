@@ -392,7 +392,8 @@ class Loader:
         """For the batches of this epoch yielded so far on this rank: fill ratio of the
         packed rows, samples and tiles per pack, tiles-per-batch spread; and, all workers
         together, drops, truncations and skipped samples (counts, and up to 10
-        ``"SHARD/KEY"`` per reason and worker) in what the workers read this epoch."""
+        ``"SHARD/KEY"`` per reason and worker) in what the workers read this epoch; and per
+        source, ``"requests"``: its reads' requests, bytes, throttled answers and retries."""
         return epoch_stats(self._yielded, self._worker_stats, self.settings.max_length)
 
 

@@ -61,7 +61,8 @@ def epoch_stats(yielded: Yielded, reports: Mapping[int, dict], max_length: int) 
     tiles-per-batch spread, a mixture's share of the samples and of the supervised tokens per
     source, from ``yielded``;
     and, all workers' latest ``reports`` together, drops, truncations and skipped samples
-    (counts, and up to 10 ``"SHARD/KEY"`` per reason and worker)."""
+    (counts, and up to 10 ``"SHARD/KEY"`` per reason and worker), and the requests of their
+    reads per source."""
     skips = SkipStats()
     truncated = batches = tiles = squares = vision_bound = 0
     dropped: dict = {}
@@ -104,6 +105,7 @@ def epoch_stats(yielded: Yielded, reports: Mapping[int, dict], max_length: int) 
         ),
         "skipped": dict(skips.counts),
         "skipped_examples": {k: list(v) for k, v in skips.examples.items()},
+        "requests": skips.as_dict()["requests"],
     }
 
 

@@ -154,6 +154,11 @@ class Stream(IterableDataset):
         self.__dict__.update(state)
 
     @property
+    def _source(self) -> str | None:
+        """The name a dataset read alone has in the stats (a mixture's spans name theirs)."""
+        return None if self.plan.mixture else self.plan.sources[0].name
+
+    @property
     def workers(self) -> int:
         return self.plan.worker_config.workers_per_rank
 
@@ -215,7 +220,8 @@ class Stream(IterableDataset):
             packing, held = live.pack.stats, live.held
             batch[STATS_KEY] = {
                 "slot": live.slot,
-                "skips": self.skips.as_dict(examples=10),  # rides on every batch: keep it small
+                # rides on every batch: keep it small; reads of a dataset alone under its name
+                "skips": self.skips.as_dict(examples=10, source=self._source),
                 "packing": packing.as_dict(examples=10, packs=held),
                 "tokens": held.tokens,
                 "capacity": held.capacity,

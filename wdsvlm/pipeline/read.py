@@ -25,10 +25,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..errors import ObjectNotFoundError, StorageError
+from ..format import sidecar
 from ..format.layouts import BadSample, Layout
 from ..format.tarball import tar_members
 from ..storage.cache import ShardCache
-from ..storage.fs import ReadPolicy, read_range
+from ..storage.fs import ReadPolicy, RequestCounts, read_range
 from .stats import SkipStats
 
 _DONE = object()
@@ -87,6 +88,7 @@ class ReadSamples:
             return ObjectNotFoundError(f"{span['url']}: missing (found so earlier in this pass)")
         options = span.get("storage_options")  # a mixture's source may have its own
         options = self.storage_options if options is None else options
+        counts = self.stats.requests_of(span.get("source"))
         try:
             if self.cache is not None and "shard_bytes" in span:
                 return self.cache.read(
@@ -97,24 +99,39 @@ class ReadSamples:
                     options,
                     self.policy,
                     sha256=span.get("shard_sha256"),
+                    counts=counts,
                 )
             return read_range(
-                span["url"],
-                span["start"],
-                span["stop"],
-                options,
-                self.policy,
-                cancel,
+                span["url"], span["start"], span["stop"], options, self.policy, cancel, counts
             )
         except StorageError as e:
             if isinstance(e, ObjectNotFoundError) and missing is not None:
                 missing.add(found)
             return e
 
+    def _planned(self, spans: Iterator[dict]) -> Iterator[dict]:
+        """``spans``, the reads of a sidecar the plan made while making one (the shard's
+        sample offsets, ``format.sidecar``) counted under the span's source."""
+        counts = RequestCounts()
+        while True:
+            token = sidecar.counting.set(counts)
+            try:
+                span = next(spans, None)
+            finally:
+                sidecar.counting.reset(token)
+            if span is None:
+                return
+            read = counts.as_dict()
+            if read["requests"]:
+                counts.add(**{name: -n for name, n in read.items()})
+                self.stats.requests_of(span.get("source")).add(**read)
+            yield span
+
     def _fetched(self, spans: Iterator[dict]) -> Iterator[tuple[dict, bytes | StorageError]]:
         """``(span, its bytes or the error)`` in order, up to ``read_ahead`` read at once by
         reader threads, the plan walked by a background thread."""
         missing: set[tuple] = set()  # (url, pass) of shards the store does not have
+        spans = self._planned(spans)
         if not self.read_ahead:
             for span in spans:
                 yield span, self._read(span, None, missing)

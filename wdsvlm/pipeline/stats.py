@@ -7,6 +7,7 @@ import logging
 from collections import Counter
 
 from ..errors import TooManyFailuresError
+from ..storage.fs import RequestCounts
 
 log = logging.getLogger("wdsvlm.stats")
 
@@ -47,11 +48,14 @@ def tally(
 
 
 class SkipStats:
-    """Skipped samples of one worker process, shared by the stages it runs.
+    """Skipped samples of one worker process, shared by the stages it runs, and what its
+    reads asked of the stores.
 
     ``counts`` is exact; ``examples`` keeps the first ``keep_examples`` ``"SHARD/KEY"`` per
     reason. Each reason is logged once, at its first occurrence. ``max_consecutive``
-    failures in a row in one stage raise ``TooManyFailuresError``.
+    failures in a row in one stage raise ``TooManyFailuresError``. ``requests``: a
+    ``storage.fs.RequestCounts`` per source (``None``: a dataset read alone), added to by
+    the read stage's threads.
     """
 
     def __init__(self, max_consecutive: int = 100, keep_examples: int = 1000):
@@ -62,6 +66,12 @@ class SkipStats:
         self.counts: Counter[str] = Counter()
         self.examples: dict[str, list[str]] = {}
         self._in_a_row: Counter[str] = Counter()
+        self.requests: dict[str | None, RequestCounts] = {}
+
+    def requests_of(self, source: str | None) -> RequestCounts:
+        """Where the reads of ``source`` are counted (made on first use, by any thread)."""
+        counts = self.requests.get(source)
+        return counts if counts is not None else self.requests.setdefault(source, RequestCounts())
 
     def skip(
         self, stage: str, reason: str, sample: dict, detail: str, *, streak: bool = True
@@ -87,21 +97,28 @@ class SkipStats:
         self.counts.clear()
         self.examples.clear()
         self._in_a_row.clear()
+        for counts in list(self.requests.values()):  # kept: reads under way add to them
+            counts.add(**{name: -n for name, n in counts.as_dict().items()})
 
     def ok(self, stage: str) -> None:
         """A sample passed ``stage``: its run of failures is over."""
         self._in_a_row[stage] = 0
 
-    def as_dict(self, examples: int | None = None) -> dict:
+    def as_dict(self, examples: int | None = None, source: str | None = None) -> dict:
         """Counts per reason and ``"SHARD/KEY"`` examples (the first ``examples`` per reason,
-        or all that are kept)."""
+        or all that are kept), and the requests per source (``source``: the name of a dataset
+        read alone)."""
+        requests = {source if k is None else k: v.as_dict() for k, v in self.requests.items()}
         return {
             "skipped": dict(sorted(self.counts.items())),
             "examples": {k: list(v[:examples]) for k, v in sorted(self.examples.items())},
+            "requests": {k: requests[k] for k in sorted(requests, key=str)},
         }
 
     def merge(self, other: dict) -> None:
         """Add the ``as_dict()`` of another worker's stats."""
+        for source, counts in other.get("requests", {}).items():
+            self.requests_of(source).add(**counts)
         for reason, n in other.get("skipped", {}).items():
             self.counts[reason] += n
             kept = self.examples.setdefault(reason, [])

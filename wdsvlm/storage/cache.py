@@ -77,7 +77,7 @@ from .blocks import (
     range_locked,
     shard_bytes,
 )
-from .fs import ReadPolicy, object_size, read_range
+from .fs import ReadPolicy, RequestCounts, object_size, read_range
 
 log = logging.getLogger("wdsvlm.cache")
 
@@ -121,26 +121,25 @@ class ShardCache:
         policy: ReadPolicy | None = None,
         *,
         sha256: str | None,
+        counts: RequestCounts | None = None,
     ) -> bytes:
         """Bytes ``[start, stop)`` of the shard; ``size`` and ``sha256`` are the index's. With
-        no sha256 (or not one of 64 hex digits) the range is read from the store, uncached."""
-        if (
-            file_bytes(size) > self.max_bytes
-            or not isinstance(sha256, str)
-            or not _SHA256.fullmatch(sha256)
-        ):
-            return read_range(url, start, stop, storage_options, policy)
+        no sha256 (or not one of 64 hex digits) the range is read from the store, uncached.
+        ``counts``: gets the requests to the store (a size asked, missing blocks; not hits)."""
+        if file_bytes(size) > self.max_bytes or not _SHA256.fullmatch(str(sha256)):
+            return read_range(url, start, stop, storage_options, policy, None, counts)
         sha256 = sha256.lower()
         if sha256 in self.bad:  # found not to match its index: no second download
             raise StorageError(str(self.bad[sha256]))
         stop = max(start, min(stop, size))
+        store = (storage_options, policy, counts)  # how the store is asked
         for _ in range(5):  # another process may evict the file, or rename it into place, under us
             try:
-                fd = self._open(url, size, sha256, storage_options, policy)
+                fd = self._open(url, size, sha256, store)
                 if fd is None:  # no room: read as without a cache
                     break
                 try:
-                    return self._serve(fd, url, size, sha256, start, stop, storage_options, policy)
+                    return self._serve(fd, url, size, sha256, start, stop, store)
                 finally:
                     _close(fd)
             except ObjectNotFoundError:
@@ -150,9 +149,9 @@ class ShardCache:
             except OSError as e:  # a full or broken disk: the cache steps aside
                 log.warning("shard cache %s: %s; reading %s from the store", self.folder, e, url)
                 break
-        return read_range(url, start, stop, storage_options, policy)
+        return read_range(url, start, stop, storage_options, policy, None, counts)
 
-    def _open(self, url, size, sha256, storage_options, policy) -> int | None:
+    def _open(self, url, size, sha256, store) -> int | None:
         """A descriptor of the shard's file, taken in first if it fits; None: no room."""
         path = self.path(sha256)
         fd = _open_file(path, size)
@@ -169,7 +168,7 @@ class ShardCache:
             if fd is not None:
                 return fd
             try:
-                self._check_size(url, size, sha256, storage_options, policy)  # before any room
+                self._check_size(url, size, sha256, *store)  # before any room
             except ObjectNotFoundError as e:
                 self._gone[sha256] = (time.monotonic(), e)
                 raise
@@ -197,8 +196,9 @@ class ShardCache:
         log.debug("taking in %s (%d bytes) as %s", url, size, path)
         return fd
 
-    def _serve(self, fd, url, size, sha256, start, stop, storage_options, policy) -> bytes:
-        """Bytes ``[start, stop)`` from the shard's file, its missing blocks fetched first."""
+    def _serve(self, fd, url, size, sha256, start, stop, store) -> bytes:
+        """Bytes ``[start, stop)`` from the shard's file, its missing blocks fetched first
+        (``store``: with these storage options, read policy and request counts)."""
         if os.fstat(fd).st_size == size:  # an older release's whole, checked shard
             return pread(fd, stop - start, start)
         first, last = start // BLOCK, -(-stop // BLOCK)
@@ -213,7 +213,7 @@ class ShardCache:
                 a, z = run_first * BLOCK, min(size, run_last * BLOCK)
                 if not rounded:
                     a, z = max(a, start), min(z, stop)
-                data = read_range(url, a, z, storage_options, policy)
+                data = read_range(url, a, z, store[0], store[1], None, store[2])
                 if len(data) != z - a:
                     self._drop(fd, sha256)
                     self._bad(
@@ -254,11 +254,11 @@ class ShardCache:
                 )
             os.pwrite(fd, b"\1", flag)
 
-    def _check_size(self, url, size, sha256, storage_options, policy) -> None:
+    def _check_size(self, url, size, sha256, storage_options, policy, counts) -> None:
         """The object is there at the size its index gives (one request), or that is an error:
         ``ObjectNotFoundError``, or a ``StorageError`` remembered in ``bad``; a size the store
         does not state is the index's (the sha256 check of the whole still holds)."""
-        found = object_size(url, storage_options, policy)
+        found = object_size(url, storage_options, policy, counts)
         if found is not None and found != size:
             self._bad(
                 sha256,

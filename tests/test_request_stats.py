@@ -1,0 +1,149 @@
+"""What a Loader's reads ask of the stores, per source, in ``loader.stats()["requests"]``:
+checked against the range server's own counts of what it was asked and what it sent."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from PIL import Image
+
+import wdsvlm
+from wdsvlm import Source
+from wdsvlm.loader.ray_workers import carried_over
+from wdsvlm.storage.cache import ShardCache
+from wdsvlm.storage.fs import RequestCounts
+from wdsvlm.testing.stores import range_server
+
+from .conftest import EXAMPLE, write_jsonl
+
+TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
+SETTINGS = {
+    "max_length": 256,
+    "batch_size": 2,
+    "tile_size": 32,
+    "max_image_side": 64,
+    "tokens_per_tile": 4,
+    "shuffle_buffer": 12,
+    "pack_window": 10,
+    "seed": 3,
+    "read_ahead": 0,  # no read runs past the epoch's last batch: the figures are exact
+}
+
+
+def write(folder: str, name: str, samples: int, per_shard: int) -> str:
+    """A dataset of ``samples`` LLaVA samples, ``per_shard`` a shard, its shards named
+    ``name-*.tar`` (with their sidecars, index version 2)."""
+    rng = random.Random(name)
+    images = os.path.join(folder, f"{name}-images")
+    os.makedirs(images)
+    records = []
+    for n in range(samples):
+        image = os.path.join(images, f"{n}.png")
+        Image.effect_noise((rng.randint(8, 120), rng.randint(8, 120)), 60).convert("RGB").save(
+            image
+        )
+        question = "<image>\n" + "Why? " * rng.randint(1, 10)
+        answer = "Because. " * rng.randint(1, 12)
+        records.append(
+            {
+                "id": f"{name}{n}",
+                "image": image,
+                "conversations": [
+                    {"from": "human", "value": question},
+                    {"from": "gpt", "value": answer},
+                ],
+            }
+        )
+    jsonl = write_jsonl(os.path.join(folder, f"{name}.jsonl"), records)
+    out = os.path.join(folder, "store", name)
+    wdsvlm.write_dataset(
+        jsonl, out, prefix=name, samples_per_shard=per_shard, progress=False, index_version=2
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """The folder a range server serves: datasets ``coco`` (5 shards) and ``ocr`` (4)."""
+    tmp = str(tmp_path_factory.mktemp("requests"))
+    write(tmp, "coco", 40, 8)
+    write(tmp, "ocr", 24, 6)
+    return os.path.join(tmp, "store")
+
+
+def served(server, since: dict, prefix: str) -> dict[str, int]:
+    """What the server was asked for and sent of the files named ``prefix*`` (shards and
+    sidecars) since ``since`` (an earlier ``snapshot``)."""
+    now = snapshot(server)
+    names = [n for n in now["asked"] if n.startswith(prefix)]
+    return {
+        "requests": sum(now["asked"][n] - since["asked"].get(n, 0) for n in names),
+        "bytes": sum(now["served"].get(n, 0) - since["served"].get(n, 0) for n in names),
+        "throttled": 0,
+        "retries": 0,
+    }
+
+
+def snapshot(server) -> dict:
+    return {"asked": dict(server.asked_by_name), "served": dict(server.served_by_name)}
+
+
+def test_stats_give_the_requests_and_bytes_the_store_served_each_epoch(store):
+    """One dataset, no workers: each epoch's figures are the server's own for the shards and
+    sidecars, exactly, under the dataset's name."""
+    with range_server(store) as server:
+        loader = wdsvlm.Loader(f"{server.url}/coco", TOKENIZER, **SETTINGS)
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            before = snapshot(server)
+            batches = sum(1 for _ in loader)
+            expected = served(server, before, "coco")
+            assert batches and expected["requests"] > 0
+            assert loader.stats()["requests"] == {"coco": expected}
+
+
+@pytest.mark.processes
+def test_stats_give_each_sources_requests_from_all_workers(store):
+    """A mixture of two sources read by two DataLoader workers: per source, what both
+    workers asked of the store and received, the server's own counts."""
+    with range_server(store) as server:
+        sources = [
+            Source(f"{server.url}/coco", name="coco"),
+            Source(f"{server.url}/ocr", name="ocr"),
+        ]
+        loader = wdsvlm.Loader(sources, TOKENIZER, num_workers=2, **SETTINGS)
+        before = snapshot(server)
+        batches = sum(1 for _ in loader)
+        requests = loader.stats()["requests"]
+        del loader
+    expected = {name: served(server, before, name) for name in ("coco", "ocr")}
+    assert batches and all(figures["requests"] for figures in expected.values())
+    assert requests == expected
+
+
+def test_cache_hits_are_no_requests(store, tmp_path):
+    """Through the shard cache, a range's first read asks the store for the shard's size and
+    its blocks; the same range read again asks nothing."""
+    index = wdsvlm.load_index(os.path.join(store, "coco"))
+    shard = index["shards"][0]
+    cache = ShardCache(str(tmp_path / "cache"))
+    with range_server(store) as server:
+        url = f"{server.url}/coco/{shard['name']}"
+        first, again = RequestCounts(), RequestCounts()
+        data = cache.read(url, shard["bytes"], 0, 2048, sha256=shard["sha256"], counts=first)
+        assert (server.heads, server.gets, server.served) == (1, 1, 2048)
+        assert cache.read(url, shard["bytes"], 0, 2048, sha256=shard["sha256"], counts=again) == (
+            data
+        )
+        assert (server.heads, server.gets) == (1, 1)
+    assert first.as_dict() == {"requests": 2, "bytes": 2048, "throttled": 0, "retries": 0}
+    assert again.as_dict() == {"requests": 0, "bytes": 0, "throttled": 0, "retries": 0}
+
+
+def test_a_restarted_ray_workers_requests_add_to_its_predecessors():
+    before = {"slot": 1, "skips": {"requests": {"coco": {"requests": 3, "bytes": 10}}}}
+    after = {"slot": 1, "skips": {"requests": {"coco": {"requests": 2, "bytes": 5}, "ocr": {}}}}
+    added = carried_over(before, after)["skips"]["requests"]
+    assert added == {"coco": {"requests": 5, "bytes": 15}, "ocr": {}}
