@@ -24,12 +24,21 @@ its sha256 too, reading it whole). A process that opened the table before a rewr
 old map; each row it gives makes its shard's ``LazyEntries`` anew, which checks the shard's
 sidecar against the row's ``sidecar_bytes`` and ``sidecar_sha256`` (``sidecar.LazyEntries``):
 the new shards are not read with the old rows.
+
+A table on a store (S3, GCS, HTTP, the Hub) is fetched once per node, not once per process:
+into the node-local folder (``ReadPolicy.node_dir``, the Loader's ``local_dir``; else
+``storage.node.node_folder``'s default) as ``tables/<its sha256>.shards``, under a lock, checked
+against the sha256 ``index.json`` names before it is renamed into place
+(``storage.node.node_copy``); every process of the node then maps that file. A copy found
+damaged (not a table at its right size) is fetched anew once. A table whose ``index.json``
+records no sha256 is read whole by each process, as is any table of a hand-made index.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import mmap
 import os
 import shutil
@@ -41,8 +50,13 @@ import numpy as np
 
 from ..errors import ShardFormatError
 from ..storage.fs import filesystem, is_local, join, publish_file, read_bytes, staging_file
+from ..storage.node import node_copy, node_folder
 from .sidecar import LazyEntries, sidecar_name
 
+log = logging.getLogger("wdsvlm.table")
+
+TABLES = "tables"
+"""The subfolder of the node-local folder that holds the copies of remote tables."""
 TABLE_NAME = "index.shards"
 """The table's name in datasets written before tables were named by their digest."""
 MAGIC = b"WDSVLMT1"
@@ -124,8 +138,8 @@ class TableBuilder:
 class ShardTable(Sequence):
     """The shards of a version-3 index: ``table[i]`` is shard ``i``'s entry as version 2 gives
     it (its ``entries`` from its sidecar when first asked for), made when asked for; columns as
-    numpy arrays (``samples``, ``bytes``, ...) over a read-only map of a local file, or over the
-    file's bytes for a remote one. ``described``: what ``index.json`` (at the URL ``index``)
+    numpy arrays (``samples``, ``bytes``, ...) over a read-only map of a local file, or of the
+    node's copy of a remote one. ``described``: what ``index.json`` (at the URL ``index``)
     says of the table (``name``, ``bytes``, ``sha256``, ``rows``), checked on every open
     (``rows`` of an index that does not record it: its shard total). A pickled table carries
     its address, not its data, and opens again (checked) when first used where it is
@@ -149,10 +163,12 @@ class ShardTable(Sequence):
         fs, path = filesystem(self.url, self.storage_options)
         try:
             if is_local(fs):
-                with open(path, "rb") as f:
-                    data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            else:
+                data, columns = self._read(_map(path), self.url)
+            elif self.table_sha256 and self.described.get("bytes") is not None:
+                data, columns = self._node_copy()
+            else:  # no digest to name a node's copy by: each process reads it whole
                 data = read_bytes(self.url, self.storage_options, self.policy)
+                data, columns = self._read(data, self.url)
         except FileNotFoundError:
             raise ShardFormatError(
                 f"{self.url}: the shard table is missing (index version 3 lists the shards "
@@ -160,11 +176,36 @@ class ShardTable(Sequence):
             ) from None
         except ValueError as e:  # mmap of an empty file
             raise ShardFormatError(f"{self.url}: not a shard table ({e})") from None
-        columns = _columns(data, self.url)
-        self._check(len(data), len(columns["samples"]))
         self.__dict__.update(_data=data, columns=columns, rows=len(columns["samples"]))
         for name in _INTS:
             self.__dict__[name] = columns[name]
+
+    def _read(self, data, where: str) -> tuple[Any, dict[str, np.ndarray]]:
+        columns = _columns(data, where)
+        self._check(len(data), len(columns["samples"]))
+        return data, columns
+
+    def _node_copy(self) -> tuple[Any, dict[str, np.ndarray]]:
+        """The table mapped from this node's copy, fetched by the first process of the node
+        that opens it (``storage.node.node_copy``); a copy that is not a table at its right
+        size (damaged on disk) is fetched anew once."""
+        folder = os.path.join(node_folder(getattr(self.policy, "node_dir", None)), TABLES)
+        where = (self.url, self.table_sha256, self.described["bytes"], folder, ".shards")
+        options = {"storage_options": self.storage_options, "policy": self.policy}
+        path = node_copy(*where, **options)
+        inode = os.stat(path).st_ino
+        try:
+            return self._read(_map(path), path)
+        except ShardFormatError as e:
+            log.warning("%s: this node's copy is damaged (%s); fetching it anew", path, e)
+        path = node_copy(*where, **options, wrong=inode)
+        try:
+            return self._read(_map(path), path)
+        except ShardFormatError as e:
+            raise ShardFormatError(
+                f"{self.url}: its copy in {folder} is damaged even fetched anew ({e}): check "
+                "the node's disk, or give the Loader another local_dir"
+            ) from None
 
     def _check(self, size: int, rows: int) -> None:
         """The file is the one ``index.json`` names: its size and row count as recorded."""
@@ -282,6 +323,13 @@ def _rewritten(index: str | None, url: str, storage_options, policy) -> str:
         f"; {index} now names {name}: the dataset was rewritten in place after it was read "
         "(build a new Loader to read the dataset as it is now)"
     )
+
+
+def _map(path: str) -> mmap.mmap:
+    """The local file ``path`` mapped read-only: its pages shared by every process that maps
+    it."""
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
 def table_name(sha256: str) -> str:

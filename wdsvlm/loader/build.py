@@ -4,15 +4,12 @@ state must agree with."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..families.base import Family
 from ..families.registry import family_of
 from ..families.tiling import ImageConfig, TilingFamily
-from ..format.table import ShardTable
 from ..pipeline.collate import Collate
 from ..pipeline.order import caps_chunks
 from ..pipeline.pack import BalanceBatches, Pack
@@ -24,6 +21,10 @@ from ..pipeline.stats import SkipStats
 from ..pipeline.tokenize import Tokenize
 from ..pipeline.usermap import ImageMap, SampleMap, check_workers_get
 from ..storage.cache import ShardCache
+from ..storage.fs import ReadPolicy
+from ..storage.governor import stagger_start
+from ..storage.node import node_folder
+from .fingerprint import dataset_facts
 from .placement import LOCAL
 from .settings import LoaderSettings, resume_config
 from .sizing import estimate_batches, pass_batches, supervised_per_sample
@@ -62,6 +63,7 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
             "Loader needs a tokenizer (the default tiling) or processor= (a model "
             f"family's Hugging Face processor){both}"
         )
+    settings = on_this_node(settings)
     worker_config = topology(settings)
     image_config = ImageConfig(settings.tile_size, settings.max_image_side, settings.upscale)
     family = (  # a processor's family, else the default tiling with the tokenizer
@@ -142,13 +144,12 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
         else None,
         image_token=tokenize.image_token,
         chat_template=tokenize.chat_template,
-        dataset=dataset_id(plan),
+        **dataset_facts(plan),  # O(1) on shard tables: their digests
         schedule=None if plan.schedule is None else plan.schedule.spec(),
         weight_by="tokens" if by_tokens(plan) else "samples",
         supervised_per_sample=[s.supervised_per_sample for s in plan.sources]
         if by_tokens(plan)
         else None,
-        shards_sha256=shards_sha256(plan),
         tokenizer=tokenize.fingerprint(videos=has_videos(plan), documents=has_documents(plan)),
         batches_per_epoch=batches,
     )
@@ -159,12 +160,25 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
     )
 
 
+def on_this_node(settings: LoaderSettings) -> LoaderSettings:
+    """The settings with their read policy's ``node_dir`` filled in (``local_dir``, else
+    ``cache_dir/node``, else a temporary folder: ``storage.node.node_folder``): every process
+    of the Loader (DataLoader workers, Ray actors) gets the policy pickled, so all of a node's
+    use the same folder, and the shard table's copy there."""
+    policy = settings.read_policy or ReadPolicy()
+    if policy.node_dir is not None:
+        return settings
+    folder = node_folder(settings.local_dir, settings.cache_dir)
+    return replace(settings, read_policy=replace(policy, node_dir=folder))
+
+
 def plan_of(
     source: Any, tokenize: Tokenize, pack: Pack, settings: LoaderSettings, config: WorkerConfig
 ) -> Plan:
     """The plan of the Loader's sources; with weights by tokens, each source's weight over its
     supervised tokens per sample as the tokenizer makes them (``sizing.supervised_per_sample``,
     the same on every rank)."""
+    stagger_start(config.rank, config.world_size)  # a large job's ranks: not all at once
     sources, mixture, schedule = resolve_sources(
         source,
         settings.storage_options,
@@ -312,60 +326,6 @@ def epoch_batches(
         plan, tokenize, pack, settings, config
     )
     return -(-estimate // workers) * workers
-
-
-def dataset_id(plan: Plan) -> str:
-    """The sources' shards and each source's share of a pass (of a weight schedule: the
-    schedule, recorded apart, decides the shares). The same for a dataset's index of any
-    version; hashed as JSON text made piece by piece (a million shards need no list)."""
-    fixed = plan.schedule is None
-    digest = hashlib.sha256()
-    if not plan.mixture:  # as the first release recorded a dataset
-        _hash_rows(digest, plan.sources[0].index["shards"], _name_samples_bytes)
-        return digest.hexdigest()[:16]
-    digest.update(b"[")
-    for k, s in enumerate(plan.sources):
-        head = [s.name, s.copies if fixed else None, s.extra if fixed else None]
-        digest.update(((", " if k else "") + json.dumps(head)[:-1] + ", ").encode())
-        _hash_rows(digest, s.index["shards"], _name_samples_bytes)
-        digest.update(b"]")
-    digest.update(b"]")
-    return digest.hexdigest()[:16]
-
-
-def shards_sha256(plan: Plan) -> str:
-    """The sha256 of every shard of every source, as the indexes record them: a dataset
-    rewritten with the same names, counts and sizes is another dataset. Its own key beside
-    ``dataset``, so a state saved before it was recorded still resumes (unchecked, with a
-    warning) rather than being refused."""
-    digest = hashlib.sha256(b"[")
-    for k, s in enumerate(plan.sources):
-        digest.update(b", " if k else b"")
-        _hash_rows(digest, s.index["shards"], _sha256s)
-    digest.update(b"]")
-    return digest.hexdigest()[:16]
-
-
-def _name_samples_bytes(shards, a: int, b: int) -> list:
-    if isinstance(shards, ShardTable):
-        columns = (shards.names(a, b), shards.samples[a:b].tolist(), shards.bytes[a:b].tolist())
-        return list(zip(*columns, strict=True))  # JSON writes a tuple as a list
-    return [[h["name"], h["samples"], h.get("bytes")] for h in shards[a:b]]
-
-
-def _sha256s(shards, a: int, b: int) -> list:
-    if isinstance(shards, ShardTable):
-        return shards.shard_sha256s(a, b)
-    return [h.get("sha256") for h in shards[a:b]]
-
-
-def _hash_rows(digest, shards, rows, step: int = 65536) -> None:
-    """``digest.update`` with ``json.dumps([rows of every shard])``, made ``step`` at a time."""
-    digest.update(b"[")
-    for a in range(0, len(shards), step):
-        text = json.dumps(rows(shards, a, min(len(shards), a + step)))[1:-1]
-        digest.update(((", " if a else "") + text).encode())
-    digest.update(b"]")
 
 
 def user_step(kind: type, fn: Any, settings: LoaderSettings) -> Any:

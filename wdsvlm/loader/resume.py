@@ -10,6 +10,7 @@ from typing import Any
 
 from ..pipeline.plan import WorkerConfig
 from .elastic import check_states, remap
+from .fingerprint import comparable
 from .settings import check_resume, upgrade_state
 from .state import LoaderState, WorkerState
 
@@ -49,8 +50,11 @@ def resume_point(
     settings or of another dataset is refused, naming the difference. Once accepted, a weight
     schedule's passes take the saved run's length in batches (``schedule.py``), on any
     topology."""
-    point = checked_point(saved, worker_config, config, plan.num_samples, batches_per_epoch)
     first = saved if isinstance(saved, Mapping) else saved[0]
+    # the dataset's facts in the form the state records them (a state of an index of version
+    # 1 or 2: every shard's row, read only now)
+    here = comparable(first.get("config", {}), config, plan)
+    point = checked_point(saved, worker_config, here, plan.num_samples, batches_per_epoch)
     clock = first["config"].get("schedule_clock")
     if clock is not None and plan.schedule is not None:
         plan.time_passes(plan.schedule.samples_per_pass, clock)

@@ -129,6 +129,11 @@ class LoaderSettings:
     """A local folder that keeps whole shards once read."""
     cache_bytes: int = 64 * 2**30
     """Bytes the shard cache may hold."""
+    local_dir: str | None = None
+    """A folder on this node's own disk for what the node's processes share: the copy of a
+    shard table on a store, fetched once per node and mapped by every rank, worker and Ray
+    actor of the node. None: ``cache_dir/node``, else ``wdsvlm-<uid>`` in the temporary
+    folder (a ``read_policy``'s ``node_dir``, where given, wins)."""
     pin_memory: bool = False
     prefetch_factor: int | None = None
     """Batches each DataLoader worker prepares ahead (None: 2)."""
@@ -324,6 +329,12 @@ def check_resume(saved: Mapping[str, Any], here: Mapping[str, Any]) -> None:
             + (
                 f" (plan_version={saved['plan_version']}: the order of the pass it was saved in)"
                 if "plan_version" in differ
+                else ""
+            )
+            + (
+                " and on the data it was saved on (dataset and shards_sha256: the sources' "
+                "shards and their content)"
+                if {"dataset", "shards_sha256"} & set(differ)
                 else ""
             )
             + ", or start a new epoch afresh "

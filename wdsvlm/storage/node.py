@@ -1,10 +1,37 @@
 """What the processes of one node share on its local disk: a folder for the shard table's copy
-and the request budget's counter."""
+and the request budget's counter.
+
+A copy of a remote file (``node_copy``) is fetched once per node: the first process that finds
+it missing takes the copy's lock (``fcntl.flock``, dropped by the kernel if its process dies),
+fetches the file into a temporary file beside it, checks its size and sha256 against what the
+index names, and renames it into place; the node's other processes wait on the lock, then find
+it there. Later opens check its size only (one ``stat``), so opening stays O(1) whatever the
+file's size. A copy is named by its sha256: two jobs on one node that read the same file share
+one copy, and jobs that read different files (another dataset, the same one rewritten) each
+get their own. The folder does not grow without bound: each open touches the copy's time, and
+whenever a copy is written, the files of the folder not opened for ``UNUSED_DAYS`` days are
+removed (a process that still maps one keeps its pages; a later open fetches it again).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
 import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..errors import StorageError
+
+if TYPE_CHECKING:  # fs may use this module (the request budget's counter): imported when used
+    from .fs import ReadPolicy
+
+UNUSED_DAYS = 7
+"""A copy no process of the node has opened for this many days is removed when another copy
+is written."""
 
 
 def node_folder(local_dir: str | None = None, cache_dir: str | None = None) -> str:
@@ -19,3 +46,109 @@ def node_folder(local_dir: str | None = None, cache_dir: str | None = None) -> s
             local_dir = os.path.join(tempfile.gettempdir(), f"wdsvlm-{os.getuid()}")
     os.makedirs(local_dir, exist_ok=True)
     return local_dir
+
+
+def node_copy(
+    url: str,
+    sha256: str,
+    size: int,
+    folder: str,
+    suffix: str = "",
+    storage_options: Mapping[str, Any] | None = None,
+    policy: ReadPolicy | None = None,
+    wrong: int | None = None,
+) -> str:
+    """The path of this node's copy of the file at ``url`` (``size`` bytes of this ``sha256``)
+    in ``folder``, named ``<sha256><suffix>``: fetched by one process of the node, the others
+    waiting for it (see the module's docstring). ``wrong``: the inode of a copy the caller
+    found damaged (its content unreadable at the right size): it is fetched anew, unless
+    another process replaced it meanwhile. A copy fetched twice without the size and sha256
+    asked for raises ``StorageError`` naming the URL and the folder."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, sha256 + suffix)
+    if wrong is None and _opened_copy(path, size):
+        return path
+    with _locked(path + ".lock"):
+        stat = _stat(path)
+        if stat is not None and stat.st_size == size and stat.st_ino != wrong:
+            return path  # fetched by another process while this one waited
+        found = []
+        for _ in range(2):  # a wrong copy is fetched again once
+            tmp, got = _fetch(url, size, folder, storage_options, policy)
+            if got == (size, sha256):
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, path)
+                _remove_unused(folder, keep=path)
+                return path
+            os.unlink(tmp)
+            found.append(got)
+    raise StorageError(
+        f"{url}: fetched twice into {folder}, it came as "
+        + " then ".join(f"{n} bytes, sha256 {d[:12]}..." for n, d in found)
+        + f", not the {size} bytes, sha256 {sha256[:12]}... its index names: the file on the "
+        "store is damaged or being replaced (`wdsvlm verify` the dataset; build a new Loader "
+        "once it is written)"
+    )
+
+
+def _opened_copy(path: str, size: int) -> bool:
+    """Whether the copy at ``path`` is there at ``size`` bytes (then marked as opened now)."""
+    stat = _stat(path)
+    if stat is None or stat.st_size != size:
+        return False
+    with contextlib.suppress(OSError):  # a folder of another user's: only the mark is lost
+        os.utime(path)
+    return True
+
+
+def _fetch(url, size, folder, storage_options, policy) -> tuple[str, tuple[int, str]]:
+    """``url`` fetched into a new temporary file of ``folder``, ``policy.block_bytes`` a
+    request; its path, and the size and sha256 of what came."""
+    from .fs import ReadPolicy, read_range
+
+    policy = policy or ReadPolicy()
+    fd, tmp = tempfile.mkstemp(prefix=".fetch-", suffix=".tmp", dir=folder)
+    digest, got = hashlib.sha256(), 0
+    try:
+        with os.fdopen(fd, "wb") as out:
+            while got < size:
+                stop = min(size, got + policy.block_bytes)
+                data = read_range(url, got, stop, storage_options, policy)
+                if not data:
+                    break  # the object ends early
+                digest.update(data)
+                out.write(data)
+                got += len(data)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp, (got, digest.hexdigest())
+
+
+def _remove_unused(folder: str, keep: str) -> None:
+    """Remove the files of ``folder`` (copies, their locks, temporary files left by a process
+    that died) not opened or written for ``UNUSED_DAYS`` days."""
+    before = time.time() - UNUSED_DAYS * 86400
+    for entry in os.scandir(folder):
+        with contextlib.suppress(OSError):  # gone meanwhile, or another user's
+            if entry.path != keep and entry.is_file() and entry.stat().st_mtime < before:
+                os.unlink(entry.path)
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):
+            os.utime(fd)  # the lock is in use: not removed as unused
+        yield
+    finally:
+        os.close(fd)
+
+
+def _stat(path: str) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
