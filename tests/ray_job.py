@@ -94,13 +94,16 @@ def http_server(folder: str):
     return serve([sys.executable, "-m", "http.server", "PORT", "-b", "127.0.0.1", "-d", folder])
 
 
-def digests(url: str, options=None) -> dict[str, str]:
+def digests(url: str, options=None, by_path: bool = False) -> dict[str, str]:
+    """Each file's sha256 by its name (``by_path``: by its path under ``url``)."""
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(url, **(options or {}))
     fs.invalidate_cache()
     return {
-        path.rsplit("/", 1)[-1]: hashlib.sha256(fs.cat_file(path)).hexdigest()
+        (path[len(root.rstrip("/")) + 1 :] if by_path else path.rsplit("/", 1)[-1]): (
+            hashlib.sha256(fs.cat_file(path)).hexdigest()
+        )
         for path in sorted(fs.find(root))
     }
 
@@ -127,6 +130,16 @@ def suite(work: str) -> dict:
                     data, out, image_root=spec["image_root"], progress=False, **spec["options"]
                 )
                 found["ray-dataset"] = digests(out)
+                out = os.path.join(work, "ray-prefixes")  # shards spread over prefix folders
+                write_on_ray(
+                    spec["json"],
+                    out,
+                    image_root=spec["image_root"],
+                    progress=False,
+                    prefixes=4,
+                    **spec["options"],
+                )
+                found["ray-prefixes"] = digests(out, by_path=True)
                 try:
                     write_on_ray(spec["bad"], os.path.join(work, "bad"), progress=False)
                 except wdsvlm.BadInputError as e:

@@ -6,6 +6,7 @@ local writer's."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -135,6 +136,23 @@ def test_ray_writes_the_local_writers_bytes_for_any_number_of_workers(inputs, su
     assert suite["ray-http"] == local["json"]  # the images fetched over http by the tasks
     assert suite["cli-workers"] == [0, local["json"]]  # --engine ray --workers 2
     assert suite["cli-address"] == [0, local["json"]]  # --ray-address of a running cluster
+
+
+def test_ray_spreads_shards_over_prefix_folders_as_the_local_writer(inputs, suite):
+    work, spec, _ = inputs
+    local = str(work / "local-prefixes")
+    wdsvlm.write_dataset(
+        spec["json"], local, image_root=spec["image_root"], prefixes=4, progress=False, **OPTIONS
+    )
+    found = {}
+    for folder, _, names in os.walk(local):
+        for name in names:
+            path = os.path.join(folder, name)
+            found[os.path.relpath(path, local)] = hashlib.sha256(
+                open(path, "rb").read()
+            ).hexdigest()
+    assert "4/data-000001.tar" in found and "c/data-000019.idx" in found
+    assert suite["ray-prefixes"] == found
 
 
 def test_bad_input_on_ray_is_named_or_skipped_and_listed(suite):
