@@ -11,14 +11,14 @@ from collections import Counter
 import pytest
 
 import wdsvlm
-from wdsvlm import ShardFormatError, load_index, verify_dataset, write_dataset
+from wdsvlm import BadInputError, ShardFormatError, load_index, verify_dataset, write_dataset
 from wdsvlm.format.builder import upgrade_dataset
 from wdsvlm.format.merge import merge_indexes
 from wdsvlm.format.prefixes import MAX_PREFIXES, prefix_folder, prefix_folders
 from wdsvlm.storage.fs import filesystem
 from wdsvlm.write.tarindex import index_tars
 
-from .conftest import EXAMPLE, run_cli
+from .conftest import EXAMPLE, run_cli, write_jsonl
 from .test_ddp import digest
 
 TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
@@ -151,6 +151,16 @@ def test_a_rewrite_with_another_number_of_prefixes_leaves_no_stale_shard(llava_i
     write(llava_input, folder, overwrite=True)  # and back to every shard beside the index
     assert not [n for n in files_under(folder) if "/" in n]
     assert verify_dataset(folder)["checked"] == 6
+
+
+def test_a_write_refused_for_bad_input_leaves_no_shard_and_no_prefix_folder(llava_input, tmp_path):
+    path, root, records = llava_input
+    bad = write_jsonl(str(tmp_path / "bad.jsonl"), [*records, {**records[0], "image": "gone.jpg"}])
+    out = str(tmp_path / "ds")
+    with pytest.raises(BadInputError, match="gone.jpg not found"):
+        write_dataset(bad, out, image_root=root, prefixes=4, samples_per_shard=PER_SHARD,
+                      progress=False)  # fmt: skip
+    assert os.listdir(out) == []
 
 
 def test_wdsvlm_index_finds_the_tars_in_their_prefix_folders(llava_input, tmp_path):

@@ -35,7 +35,7 @@ from ..format.builder import (
 )
 from ..format.containers import MAX_VIDEO_PIXELS
 from ..format.index import INDEX_NAME, SKIPPED_NAME
-from ..format.prefixes import check_prefixes, remove_stale_shards
+from ..format.prefixes import check_prefixes, remove_empty_folders, remove_stale_shards
 from ..format.tarball import BLOCK
 from ..progress import progress
 from ..storage.fs import exists, join, remove
@@ -238,6 +238,7 @@ def write_dataset(
             for shard in shards:  # the input turned out bad: nothing of it stays
                 remove(join(output, shard["name"]), storage_options)
                 remove(join(output, shard["sidecar"]["name"]), storage_options)
+            remove_empty_folders(output, storage_options)  # the prefix folders it made
             _refuse_bad(bad, n_good, opts.skip_bad, named)
 
     skipped_url = join(output, SKIPPED_NAME)
