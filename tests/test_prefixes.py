@@ -4,11 +4,14 @@ index`, `--merge`, `verify` and `--upgrade` on such a dataset."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import tarfile
 from collections import Counter
 
 import pytest
+from PIL import Image
 
 import wdsvlm
 from wdsvlm import BadInputError, ShardFormatError, load_index, verify_dataset, write_dataset
@@ -241,3 +244,21 @@ def test_a_bad_number_of_prefixes_is_refused_with_the_range(llava_input, tmp_pat
     assert not os.path.exists(out)
     with pytest.raises(ValueError, match="prefixes must be a whole number"):
         write_dataset(path, out, prefixes=2.5)
+
+
+def test_a_bad_sample_of_a_tar_in_a_prefix_folder_is_named_by_its_path(tmp_path):
+    folder = tmp_path / "tars"
+    (folder / "4").mkdir(parents=True)
+    with tarfile.open(folder / "4" / "part-0.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+        jpeg = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(jpeg, format="JPEG")
+        members = {"good.jpg": jpeg.getvalue(), "good.txt": b"fine"}
+        members.update({"bad.png": b"\x89PNG not really", "bad.txt": b"broken"})
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    summary = index_tars(str(folder), format="captions", skip_bad=True, show_progress=False)
+    assert summary.skipped
+    listed = [json.loads(line) for line in open(folder / "index-skipped.jsonl")]
+    assert [(item["shard"], item["key"]) for item in listed] == [("4/part-0.tar", "bad")]

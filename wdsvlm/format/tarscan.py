@@ -110,13 +110,17 @@ def first_samples(url: str, count: int, storage_options=None) -> Iterator[dict[s
 
 
 def scan_tar(
-    url: str, layout: Layout, storage_options=None, max_video_pixels: int = MAX_VIDEO_PIXELS
+    url: str,
+    layout: Layout,
+    storage_options=None,
+    max_video_pixels: int = MAX_VIDEO_PIXELS,
+    name: str | None = None,
 ) -> dict:
     """Read one tar once: its samples' index ``entries``, its ``bad`` samples (an
-    ``InputError`` each; a video over ``max_video_pixels`` is one), its ``bytes`` and
-    ``sha256``."""
+    ``InputError`` each, naming the shard by ``name``, its path in the dataset: its file name
+    if not given; a video over ``max_video_pixels`` is one), its ``bytes`` and ``sha256``."""
     fs, path = filesystem(url, storage_options)
-    shard = url.rsplit("/", 1)[-1]
+    shard = name or url.rsplit("/", 1)[-1]
     seen: set[str] = set()
 
     def bad_sample(key: str, reason: str, message: str) -> InputError:

@@ -240,7 +240,7 @@ def _scan_and_publish(
     """Scan one tar and publish its sidecar; return its root-index entry, its totals, its
     bad samples and the images left out of its documents."""
     url, name = job
-    scanned = scan_tar(url, layout, options, max_video_pixels)
+    scanned = scan_tar(url, layout, options, max_video_pixels, name)
     entries = scanned["entries"]
     totals = Totals()
     for e in entries:
