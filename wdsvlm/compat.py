@@ -126,6 +126,18 @@ def libc() -> Any:
     return _libc[0]
 
 
+def subcommands(parser: Any) -> Any:
+    """The sub-parsers of an ``argparse`` parser (what its ``add_subparsers`` returned), so
+    that a subcommand can be added to a parser built elsewhere (argparse keeps them in the
+    private ``_actions``, as ``_SubParsersAction``)."""
+    import argparse
+
+    kind = getattr(argparse, "_SubParsersAction", None)
+    found = [a for a in getattr(parser, "_actions", []) if kind and isinstance(a, kind)]
+    what = "argparse's _actions and _SubParsersAction"
+    return _require("CPython", _python_version(), CPYTHON_RANGE, what, found[0] if found else None)
+
+
 # ---- torch: shared memory made at once, stopping a DataLoader's workers now -------------------
 
 

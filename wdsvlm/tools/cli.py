@@ -5,15 +5,23 @@ from __future__ import annotations
 import logging
 import sys
 
+from .. import compat
 from ..errors import WdsvlmError
-from . import commands
-from .arguments import build_parser, byte_size
+from . import arguments, cloud_report, commands
+from .arguments import byte_size
 
 __all__ = ["build_parser", "byte_size", "main"]
 
 
 def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
+
+
+def build_parser():
+    """The ``wdsvlm`` parser: the commands of ``arguments.py`` and ``plan-cloud``."""
+    parser = arguments.build_parser()
+    cloud_report.add_parser(compat.subcommands(parser))
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         "inspect": commands.inspect,
         "stats": commands.stats,
         "bench": commands.bench,
+        "plan-cloud": cloud_report.run,
     }[args.command]
     try:
         run(args)
