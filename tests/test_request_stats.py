@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 
 import pytest
 from PIL import Image
@@ -147,3 +148,68 @@ def test_a_restarted_ray_workers_requests_add_to_its_predecessors():
     after = {"slot": 1, "skips": {"requests": {"coco": {"requests": 2, "bytes": 5}, "ocr": {}}}}
     added = carried_over(before, after)["skips"]["requests"]
     assert added == {"coco": {"requests": 5, "bytes": 15}, "ocr": {}}
+
+
+def evaluation_batches(url: str, coalesce: bool, server) -> tuple[list, dict, dict]:
+    """An evaluation loader's batches over ``url`` (chunks of 2 samples, 4 reads at once),
+    reading with or without coalescing; what the server counted of the shards while it
+    iterated, and the loader's ``stats()["requests"]``."""
+    settings = {**SETTINGS, "read_ahead": 4, "span_samples": 2}
+    loader = wdsvlm.Loader(url, TOKENIZER, evaluation=True, **settings)
+    loader.stream.read.coalesce = coalesce
+    len(loader)  # counted (by reading the pass) before the figures start
+    before = snapshot(server)
+    batches = list(loader)
+    return batches, served(server, before, "coco"), loader.stats()["requests"]
+
+
+def test_an_evaluation_pass_reads_neighbouring_chunks_with_one_request(store):
+    """An evaluation loader reads each shard's chunks one after the other: four neighbouring
+    chunks (the read-ahead window) are fetched with one request, 4x fewer, the same bytes
+    served (at most 1.25x), and batches identical to reading each chunk alone."""
+    with range_server(store) as server:
+        url = f"{server.url}/coco"
+        alone, read_alone, _ = evaluation_batches(url, False, server)
+        joined, read_joined, stats = evaluation_batches(url, True, server)
+    assert len(joined) == len(alone) > 0
+    for a, b in zip(alone, joined, strict=True):
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            same = value.equal(b[key]) if hasattr(value, "equal") else value == b[key]
+            assert same, key
+    # 5 shards of 8 samples: 20 chunks of 2, read 20 times alone, 5 times joined
+    assert (read_alone["requests"], read_joined["requests"]) == (20, 5)
+    assert read_joined["bytes"] <= 1.25 * read_alone["bytes"]
+    assert stats == {"coco": read_joined}
+
+
+def test_a_failed_joined_read_gives_each_span_what_its_own_read_would(store, tmp_path):
+    """A shard cut short and a shard gone: read with and without coalescing, the same
+    samples come out and the same ones are counted skipped, by reason."""
+    from wdsvlm.pipeline.plan import Plan, WorkerConfig
+    from wdsvlm.pipeline.read import ReadSamples
+    from wdsvlm.pipeline.stats import SkipStats
+
+    folder = tmp_path / "broken"
+    shutil.copytree(os.path.join(store, "coco"), folder)
+    shards = wdsvlm.load_index(str(folder))["shards"]
+    with open(folder / shards[1]["name"], "r+b") as f:
+        f.truncate(shards[1]["bytes"] // 2)
+    os.remove(folder / shards[3]["name"])
+    got = {}
+    with range_server(str(folder)) as server:
+        one = WorkerConfig(0, 1, 0)
+        plan = Plan(server.url, worker_config=one, evaluation=True, span_samples=2)
+        spans = list(plan.spans(0, 0))
+        assert len(spans) == 20  # 5 shards of 8 samples, in chunks of 2
+        for coalesce in (False, True):
+            stats = SkipStats()
+            reader = ReadSamples(
+                stats=stats, read_ahead=4, on_shard_error="skip", coalesce=coalesce
+            )
+            samples = [(s["__key__"], s["json"]) for s in reader(iter(spans))]
+            got[coalesce] = (samples, dict(stats.counts))
+    assert got[True] == got[False]
+    samples, skipped = got[True]
+    assert set(skipped) == {"unreadable_shard", "truncated_tar"}
+    assert skipped["unreadable_shard"] == 8 and len(samples) + sum(skipped.values()) == 40

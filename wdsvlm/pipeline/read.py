@@ -6,7 +6,9 @@ offsets. A background thread walks the plan and hands its spans to ``read_ahead`
 threads, so up to ``read_ahead`` ranged reads run at once, ahead of the decoding downstream
 (the plan's chunks are small, for mixing: one read at a time would wait on each request's
 latency); the spans come out in the plan's order whatever order their reads end in. Nothing
-stays open between spans, and the threads end with the stage.
+stays open between spans, and the threads end with the stage. Consecutive spans of a shard
+whose bytes lie close together (an evaluation pass reads a shard's chunks one after the other)
+are fetched with one request, each span cut out of it (``coalesce.py``).
 A sample whose bytes are cut short (a truncated shard) or do not parse as tar members of its
 key is skipped and counted. A shard that cannot be read raises ``StorageError`` naming it, or
 with ``on_shard_error="skip"`` has its samples counted as skipped (``unreadable_shard``); a
@@ -30,19 +32,30 @@ from ..format.layouts import BadSample, Layout
 from ..format.tarball import tar_members
 from ..storage.cache import ShardCache
 from ..storage.fs import ReadPolicy, RequestCounts, read_range
+from .coalesce import bounds, grouped
 from .stats import SkipStats
 
 _DONE = object()
 
 
 class _Read:
-    """One span's read, handed from a reader thread to the consumer: its bytes (or the
-    ``StorageError``), or the exception of a bug, once ``done``."""
+    """One read of a run of spans (most runs: one span), handed from a reader thread to the
+    consumer, once ``done``: its bytes from byte ``first`` on (or the ``StorageError``), or
+    where a joined read failed, each span's own read; or the exception of a bug."""
 
-    def __init__(self):
+    def __init__(self, first: int):
         self.done = threading.Event()
-        self.data: bytes | StorageError = b""
+        self.first = first
+        self.data: bytes | StorageError | list = b""
         self.error: BaseException | None = None
+
+    def of(self, span: dict, k: int) -> bytes | StorageError:
+        """What the ``k``-th span of the run gets: exactly its own bytes, or its error."""
+        if isinstance(self.data, list):
+            return self.data[k]
+        if isinstance(self.data, StorageError):
+            return self.data
+        return self.data[span["start"] - self.first : span["stop"] - self.first]
 
 
 class ReadSamples:
@@ -63,6 +76,7 @@ class ReadSamples:
         read_ahead: int = 4,
         on_shard_error: str = "raise",
         cache: ShardCache | None = None,
+        coalesce: bool = True,
     ):
         if on_shard_error not in ("raise", "skip"):
             raise ValueError(f"on_shard_error must be 'raise' or 'skip', not {on_shard_error!r}")
@@ -74,6 +88,7 @@ class ReadSamples:
         self.read_ahead = read_ahead
         self.on_shard_error = on_shard_error
         self.cache = cache
+        self.coalesce = coalesce
 
     def _read(
         self, span: dict, cancel: threading.Event | None = None, missing: set | None = None
@@ -127,6 +142,13 @@ class ReadSamples:
                 self.stats.requests_of(span.get("source")).add(**read)
             yield span
 
+    def _grouped(self, spans: Iterator[dict]) -> Iterator[list[dict]]:
+        """The spans in runs read with one request each (``coalesce.grouped``: within the
+        read-ahead window), or one by one."""
+        if not self.coalesce:
+            return ([span] for span in spans)
+        return grouped(spans, self.policy.block_bytes, self.read_ahead)
+
     def _fetched(self, spans: Iterator[dict]) -> Iterator[tuple[dict, bytes | StorageError]]:
         """``(span, its bytes or the error)`` in order, up to ``read_ahead`` read at once by
         reader threads, the plan walked by a background thread."""
@@ -142,7 +164,7 @@ class ReadSamples:
         jobs: queue.Queue = queue.Queue()
         stop = threading.Event()
 
-        def put(item) -> bool:
+        def put(item: tuple) -> bool:
             while not stop.is_set():
                 try:
                     ready.put(item, timeout=0.1)
@@ -153,27 +175,32 @@ class ReadSamples:
 
         def walk():
             try:
-                for span in spans:
-                    read = _Read()
-                    jobs.put((span, read))
-                    if not put((span, read)):
-                        return
+                for group in self._grouped(spans):
+                    read = _Read(bounds(group)[0])
+                    jobs.put((group, read))
+                    for k, span in enumerate(group):
+                        if not put((span, read, k)):
+                            return
             except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
-                put((None, e))
+                put((None, e, None))
                 return
             finally:
                 for _ in readers:
                     jobs.put(None)  # each reader ends after the reads handed out
-            put((_DONE, None))
+            put((_DONE, None, None))
 
         def read_jobs():
             while (job := jobs.get()) is not None:
-                span, read = job
+                group, read = job
                 if stop.is_set():  # the stage is closing: nothing will take it
                     read.done.set()
                     continue
+                lo, hi = bounds(group)
                 try:
-                    read.data = self._read(span, stop, missing)
+                    read.data = self._read({**group[0], "start": lo, "stop": hi}, stop, missing)
+                    if len(group) > 1 and isinstance(read.data, StorageError):
+                        # each span read alone, as without coalescing: its own bytes or error
+                        read.data = [self._read(span, stop, missing) for span in group]
                 except BaseException as e:  # noqa: BLE001 - a bug: raised in its place
                     read.error = e
                 read.done.set()
@@ -187,7 +214,7 @@ class ReadSamples:
             thread.start()
         try:
             while True:
-                span, read = ready.get()
+                span, read, k = ready.get()
                 if span is _DONE:
                     return
                 if span is None:
@@ -195,7 +222,7 @@ class ReadSamples:
                 read.done.wait()
                 if read.error is not None:
                     raise read.error
-                yield span, read.data
+                yield span, read.of(span, k)
         finally:
             stop.set()
             for thread in [walker, *readers]:
