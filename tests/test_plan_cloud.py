@@ -161,3 +161,25 @@ def test_the_cloud_page_gives_the_planners_figures_for_8_128_and_1024_gpus():
         rate = plan["rates"]["requests_per_second"]
         row = re.search(rf"^\| {gpus:,} \|.*$", page, re.M)
         assert row and f"{rate:,.0f}" in row.group(0), (gpus, rate)
+
+
+def test_a_dataset_written_over_prefixes_spreads_the_requests_over_them(tmp_path):
+    """The prefixes of an index are its shards' folders (``write --prefixes``): each takes the
+    requests of its shards, and the busiest no more than its share."""
+    question = {"from": "human", "value": "Say a word."}
+    records = [
+        {"id": f"r{i}", "conversations": [question, {"from": "gpt", "value": "word " * (i + 1)}]}
+        for i in range(40)
+    ]
+    out = str(tmp_path / "data")
+    source = write_jsonl(str(tmp_path / "in.jsonl"), records)
+    wdsvlm.write_dataset(source, out, samples_per_shard=5, prefixes=4, progress=False)
+    shape = from_index(out)
+    assert (shape.shards, shape.prefixes) == (8, 4)
+    plan = plan_cloud(shape, JobShape(nodes=1, gpus_per_node=1, workers=0))
+    assert plan["pass"]["busiest_prefix_share"] == pytest.approx(0.25, abs=0.05)
+    rates = plan["rates"]
+    busiest = rates["busiest_prefix_requests_per_second"]
+    assert busiest == pytest.approx(
+        rates["requests_per_second"] * plan["pass"]["busiest_prefix_share"]
+    )
