@@ -44,7 +44,8 @@ The model follows the code, a single dataset read once a pass (``repeat=1``, no 
   written so) spreads the shards evenly over ``N``.
 - **Not counted**: retries and throttled answers (none when the limit holds), the re-reads
   of a resumed Loader (its buffered samples, once), a ``cache_dir`` that serves repeat reads
-  from local disk.
+  from local disk, neighbouring spans joined into one request (``pipeline/coalesce.py``: only
+  where a worker reads them one after the other, rare in a training pass's keyed order).
 - **Rates**: a pass takes ``samples / (GPUs x samples a second per GPU)`` seconds; requests
   and bytes are spread evenly over it.
 """
