@@ -183,3 +183,15 @@ def test_a_dataset_written_over_prefixes_spreads_the_requests_over_them(tmp_path
     assert busiest == pytest.approx(
         rates["requests_per_second"] * plan["pass"]["busiest_prefix_share"]
     )
+
+
+def test_an_index_scaled_to_its_own_size_plans_as_the_index_itself(dataset, capsys):
+    """SOURCE with --samples and --shards: the written sample's sizes, scaled; scaled to its
+    own size, the same pass as the index's own plan."""
+    shape = ["--nodes", "1", "--gpus-per-node", "1", "--workers", "2", "--span-bytes", "32000"]
+    shape += ["--block-bytes", "8192", "--json"]
+    assert main(["plan-cloud", dataset, *shape]) == 0
+    own = json.loads(capsys.readouterr().out)["pass"]
+    assert main(["plan-cloud", dataset, "--samples", "240", "--shards", "6", *shape]) == 0
+    scaled = json.loads(capsys.readouterr().out)["pass"]
+    assert scaled == own

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from typing import Any
 
 from ..pipeline.order import SPAN_BYTES, SPAN_SAMPLES
@@ -113,17 +114,19 @@ def shape_of(args: argparse.Namespace) -> DatasetShape:
     if described_by == (None, None, None):
         return shape
     samples = args.samples or shape.size
-    per_sample = shape.total_bytes / shape.size
+    shards = args.shards or max(1, round(samples / (shape.size / shape.shards)))
     headers = SIDECAR_HEADERS * int(shape.sidecar_bytes.astype(bool).sum())
     sidecar = max(0.0, float(shape.sidecar_bytes.sum()) - headers) / shape.size
-    return described(
+    scaled = described(
         samples,
-        args.bytes or int(per_sample * samples),
-        args.shards or max(1, round(samples / (shape.size / shape.shards))),
+        args.bytes or int(shape.mean_sample * samples + shape.trailer * shards),
+        shards,
         args.prefixes or 1,
         sidecar,
         name=f"{args.source}, scaled",
+        sample_cv=shape.sample_cv,
     )
+    return replace(scaled, trailer=shape.trailer)
 
 
 def run(args: argparse.Namespace) -> None:
