@@ -32,8 +32,9 @@ The model follows the code, a single dataset read once a pass (``repeat=1``, no 
   caches: a Loader's DataLoader workers are new processes each epoch unless
   ``persistent_workers``); a dataset of at most 256 shards read by persistent workers reads
   its sidecars once. With ``num_workers=0`` the rank's sizing (below) warms the cache.
-- **Start-up, per node**: ``index.json`` and the shard table (version 3), one copy a node
-  (the node-local table); then each rank sizes its epochs (``loader/sizing.py``): the
+- **Start-up, per node**: ``index.json`` by each rank (DataLoader workers take the rank's
+  copy), the shard table (version 3) once (the node-local copy); then each rank sizes its
+  epochs (``loader/sizing.py``): the
   sidecars of up to 64 shards spread over the list and every ``k``-th sample of them (about
   32, ``ceil(bytes / block_bytes)`` GETs each). ``--no-sizing`` (the Loader is given
   ``batches_per_epoch``) leaves that out.
@@ -188,10 +189,11 @@ def _sidecar_reads(shape: DatasetShape, job: JobShape, pieces: np.ndarray, spans
 
 
 def startup_reads(shape: DatasetShape, job: JobShape) -> dict[str, int]:
-    """GETs and bytes a node sends before its first batch: the index and the table once, and
-    each rank's sizing (sidecars of the measured shards and a few samples)."""
-    requests = 1 + (shape.table_bytes > 0)
-    nbytes = shape.index_bytes + shape.table_bytes
+    """GETs and bytes a node sends before its first batch: ``index.json`` by each rank, the
+    table once, and each rank's sizing (sidecars of the measured shards and a few samples)."""
+    ranks = job.gpus_per_node
+    requests = ranks + (shape.table_bytes > 0)
+    nbytes = ranks * shape.index_bytes + shape.table_bytes
     sizing_requests = sizing_bytes = 0
     if job.sizing:
         measured = spread_shards(shape.shards, MEASURED_SHARDS)
@@ -201,7 +203,6 @@ def startup_reads(shape: DatasetShape, job: JobShape) -> dict[str, int]:
         sizing_requests = len(measured) * bool(shape.sidecar_bytes.any())
         sizing_requests += round(chosen * request_table(1, shape, job.block_bytes)[1])
         sizing_bytes = int(shape.sidecar_bytes[measured].sum() + chosen * sample)
-    ranks = job.gpus_per_node
     return {
         "index_bytes": shape.index_bytes,
         "table_bytes": shape.table_bytes,
