@@ -131,7 +131,9 @@ def command_help(command: str) -> str:
     return out.getvalue()
 
 
-@pytest.mark.parametrize("command", ["write", "verify", "index", "inspect", "stats", "bench"])
+@pytest.mark.parametrize(
+    "command", ["write", "verify", "index", "inspect", "stats", "bench", "plan-cloud"]
+)
 def test_cli_page_documents_every_option(command):
     # `write`'s options are in the table of docs/writing.md; every command is on docs/cli.md
     pages = read("docs/cli.md") + (read("docs/writing.md") if command == "write" else "")
@@ -148,7 +150,8 @@ USER_PAGES = ["README.md"] + [
     for name in (
         "loading.md families.md trainers.md training.md multi-node.md evaluation.md "
         "troubleshooting.md writing.md mixtures.md video.md storage.md ray-workers.md ray.md "
-        "format.md cli.md glossary.md recipes.md scaling.md unsupported.md pretraining.md"
+        "format.md cli.md glossary.md recipes.md scaling.md unsupported.md pretraining.md "
+        "cloud.md"
     ).split()
 ]
 SHORT_SENTENCE_PAGES = ["README.md", "docs/loading.md", "docs/families.md", "docs/trainers.md"]
