@@ -105,6 +105,24 @@ def test_stats_give_the_requests_and_bytes_the_store_served_each_epoch(store):
             assert loader.stats()["requests"] == {"coco": expected}
 
 
+def test_the_figures_at_each_batch_do_not_depend_on_how_far_the_reads_ran_ahead(store):
+    """Reads ahead (four at once) count once their span is taken: after each batch the
+    figures are the same on a store that answers at once and on one that answers late, and
+    never more than the store served."""
+    figures = {}
+    for delay in (0.0, 0.02):
+        with range_server(store, delay=delay) as server:
+            settings = {**SETTINGS, "read_ahead": 4}
+            loader = wdsvlm.Loader(f"{server.url}/coco", TOKENIZER, **settings)
+            before = snapshot(server)
+            figures[delay] = []
+            for _ in loader:
+                figures[delay].append(loader.stats()["requests"]["coco"])
+                store_figures = served(server, before, "coco")
+                assert figures[delay][-1]["bytes"] <= store_figures["bytes"]
+    assert figures[0.0] == figures[0.02] and figures[0.0][-1]["requests"] > 0
+
+
 @pytest.mark.processes
 def test_stats_give_each_sources_requests_from_all_workers(store):
     """A mixture of two sources read by two DataLoader workers: per source, what both

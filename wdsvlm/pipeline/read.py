@@ -46,6 +46,7 @@ class _Read:
     def __init__(self, first: int):
         self.done = threading.Event()
         self.first = first
+        self.counts = RequestCounts()  # its requests, added to the stats when it is taken
         self.data: bytes | StorageError | list = b""
         self.error: BaseException | None = None
 
@@ -91,11 +92,16 @@ class ReadSamples:
         self.coalesce = coalesce
 
     def _read(
-        self, span: dict, cancel: threading.Event | None = None, missing: set | None = None
+        self,
+        span: dict,
+        cancel: threading.Event | None,
+        missing: set | None,
+        counts: RequestCounts,
     ) -> bytes | StorageError:
-        """The span's bytes, or the ``StorageError`` of its read. ``missing``: the ``(url,
-        pass)`` of the shards found missing so far (by any reader thread): not asked for
-        again in that pass, since every read of them fails alike."""
+        """The span's bytes, or the ``StorageError`` of its read, its requests added to
+        ``counts``. ``missing``: the ``(url, pass)`` of the shards found missing so far (by
+        any reader thread): not asked for again in that pass, since every read of them fails
+        alike."""
         if "failed" in span:  # nothing to read: the plan could not list its samples
             return b""
         found = (span["url"], span.get("pass"))
@@ -103,7 +109,6 @@ class ReadSamples:
             return ObjectNotFoundError(f"{span['url']}: missing (found so earlier in this pass)")
         options = span.get("storage_options")  # a mixture's source may have its own
         options = self.storage_options if options is None else options
-        counts = self.stats.requests_of(span.get("source"))
         try:
             if self.cache is not None and "shard_bytes" in span:
                 return self.cache.read(
@@ -124,9 +129,9 @@ class ReadSamples:
                 missing.add(found)
             return e
 
-    def _planned(self, spans: Iterator[dict]) -> Iterator[dict]:
-        """``spans``, the reads of a sidecar the plan made while making one (the shard's
-        sample offsets, ``format.sidecar``) counted under the span's source."""
+    def _planned(self, spans: Iterator[dict], sidecars: dict) -> Iterator[dict]:
+        """``spans``, and in ``sidecars`` (``id(span)`` -> figures) the reads of a sidecar
+        the plan made while making one (the shard's sample offsets, ``format.sidecar``)."""
         counts = RequestCounts()
         while True:
             token = sidecar.counting.set(counts)
@@ -139,8 +144,20 @@ class ReadSamples:
             read = counts.as_dict()
             if read["requests"]:
                 counts.add(**{name: -n for name, n in read.items()})
-                self.stats.requests_of(span.get("source")).add(**read)
+                sidecars[id(span)] = read
             yield span
+
+    def _taken(self, span: dict, sidecars: dict, read: RequestCounts | None) -> None:
+        """The consumer takes ``span``: its sidecar's reads, and ``read`` (the requests of
+        its read, or of the joined read it is the first of), are counted under its source.
+        Counted as taken, not as read ahead, the figures at each batch do not depend on how
+        far the reader threads got."""
+        counts = self.stats.requests_of(span.get("source"))
+        found = sidecars.pop(id(span), None)
+        if found is not None:
+            counts.add(**found)
+        if read is not None:
+            counts.add(**read.as_dict())
 
     def _grouped(self, spans: Iterator[dict]) -> Iterator[list[dict]]:
         """The spans in runs read with one request each (``coalesce.grouped``: within the
@@ -153,10 +170,14 @@ class ReadSamples:
         """``(span, its bytes or the error)`` in order, up to ``read_ahead`` read at once by
         reader threads, the plan walked by a background thread."""
         missing: set[tuple] = set()  # (url, pass) of shards the store does not have
-        spans = self._planned(spans)
+        sidecars: dict[int, dict] = {}
+        spans = self._planned(spans, sidecars)
         if not self.read_ahead:
             for span in spans:
-                yield span, self._read(span, None, missing)
+                counts = RequestCounts()
+                data = self._read(span, None, missing, counts)
+                self._taken(span, sidecars, counts)
+                yield span, data
             return
         # ``ready`` holds reads in the plan's order, begun or done: its bound keeps the bytes
         # held to a few spans. ``jobs`` hands the same reads to the readers, in that order.
@@ -197,10 +218,11 @@ class ReadSamples:
                     continue
                 lo, hi = bounds(group)
                 try:
-                    read.data = self._read({**group[0], "start": lo, "stop": hi}, stop, missing)
+                    joined = {**group[0], "start": lo, "stop": hi}
+                    read.data = self._read(joined, stop, missing, read.counts)
                     if len(group) > 1 and isinstance(read.data, StorageError):
                         # each span read alone, as without coalescing: its own bytes or error
-                        read.data = [self._read(span, stop, missing) for span in group]
+                        read.data = [self._read(s, stop, missing, read.counts) for s in group]
                 except BaseException as e:  # noqa: BLE001 - a bug: raised in its place
                     read.error = e
                 read.done.set()
@@ -222,6 +244,7 @@ class ReadSamples:
                 read.done.wait()
                 if read.error is not None:
                     raise read.error
+                self._taken(span, sidecars, read.counts if k == 0 else None)
                 yield span, read.of(span, k)
         finally:
             stop.set()

@@ -55,7 +55,7 @@ class SkipStats:
     reason. Each reason is logged once, at its first occurrence. ``max_consecutive``
     failures in a row in one stage raise ``TooManyFailuresError``. ``requests``: a
     ``storage.fs.RequestCounts`` per source (``None``: a dataset read alone), added to by
-    the read stage's threads.
+    the read stage as it takes each span.
     """
 
     def __init__(self, max_consecutive: int = 100, keep_examples: int = 1000):
