@@ -8,27 +8,24 @@ profile, ...). Credentials come from each backend's standard chain.
 from __future__ import annotations
 
 import asyncio
-import errno
-import logging
 import os
-import random
-import re
-import sys
 import tempfile
 import threading
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.core import url_to_fs
 
-from ..errors import ObjectNotFoundError, StorageError
-
-log = logging.getLogger("wdsvlm.storage")
-
+from ..errors import StorageError
+from .retry import (  # noqa: F401 - read as fs.ReadPolicy, fs.is_transient, ...
+    ReadPolicy,
+    RequestCounts,
+    is_throttling,
+    is_transient,
+    retrying,
+)
 
 # Bucket backends are optional extras of wdsvlm: the scheme, the extra that brings it.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
@@ -137,149 +134,6 @@ def list_names(url: str, storage_options: Mapping[str, Any] | None = None) -> li
         return []
 
 
-@dataclass(frozen=True)
-class ReadPolicy:
-    """How ranged reads fetch bytes and live through network faults."""
-
-    block_bytes: int = 4 * 2**20
-    """Bytes fetched per request; a request that breaks is tried again from its first byte."""
-    attempts: int = 6
-    """Tries of one block before giving up on a transient error (permanent ones: at once)."""
-    backoff: float = 0.1
-    """Seconds before the first retry; doubled each time, with jitter, up to ``max_backoff``."""
-    max_backoff: float = 5.0
-    timeout: float = 60.0
-    """Seconds one request may take (a stalled one then counts as a transient failure)."""
-    requests_per_second: float | None = None
-    """The most requests a second the processes of one node send together (None: no cap);
-    shared through a file in ``node_dir``."""
-    node_dir: str | None = None
-    """A node-local folder for what the node's processes share (the shard table's copy, the
-    request budget); None: the Loader's ``local_dir``, else the cache folder, else a
-    temporary folder (``storage.node.node_folder``)."""
-
-    def __post_init__(self):
-        if self.block_bytes < 1 or self.attempts < 1 or self.timeout <= 0:
-            raise ValueError(f"invalid read policy: {self}")
-
-
-class RequestCounts:
-    """What reads asked of a store, added up (thread-safe; pickles as its figures):
-    ``requests`` sent (every try), ``bytes`` received, ``throttled`` answers (503 SlowDown,
-    429, ...) and ``retries`` after faults."""
-
-    FIELDS = ("requests", "bytes", "throttled", "retries")
-
-    def __init__(self, **counts: int):
-        self._lock = threading.Lock()
-        self.requests = self.bytes = self.throttled = self.retries = 0
-        self.add(**counts)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                if name not in self.FIELDS:
-                    raise ValueError(f"{name} is not one of {self.FIELDS}")
-                setattr(self, name, getattr(self, name) + value)
-
-    def as_dict(self) -> dict[str, int]:
-        with self._lock:
-            return {name: getattr(self, name) for name in self.FIELDS}
-
-    def __getstate__(self):
-        return self.as_dict()
-
-    def __setstate__(self, state):
-        self.__init__(**state)
-
-    def __repr__(self) -> str:
-        return f"RequestCounts({self.as_dict()})"
-
-
-# Error codes of answers that will not change by asking again (matched as whole words in the
-# message, never in a URL: a shard may well be called data-000404.tar).
-_PERMANENT = re.compile(
-    r"\b(NoSuchBucket|NoSuchKey|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|"
-    r"AllAccessDisabled|AccountProblem|InvalidBucketName)\b"
-)
-
-# errno values of an OSError that asking again will not change: s3fs turns a 400, an invalid
-# range or argument into EINVAL, a 501 into ENOSYS and a redirect to another region into EREMCHG.
-_PERMANENT_ERRNO = {
-    errno.EINVAL,
-    errno.ENOSYS,
-    errno.EPERM,
-    errno.EACCES,
-    errno.ENOENT,
-    errno.ENOTDIR,
-    errno.EISDIR,
-    errno.ENAMETOOLONG,
-    getattr(errno, "EREMCHG", errno.ENOENT),
-}
-
-# Network faults of the HTTP clients under fsspec's backends that are not OSErrors, by module
-# and class name: a cut or stalled connection, a body cut short. Looked up only among modules
-# already imported (an error cannot come from one that is not), so no backend is imported here.
-_NETWORK_ERRORS = {
-    "aiohttp": ("ClientConnectionError", "ClientPayloadError"),
-    "botocore.exceptions": ("HTTPClientError", "ResponseParserError"),
-    "urllib3.exceptions": ("ProtocolError", "TimeoutError"),
-    "http.client": ("IncompleteRead", "BadStatusLine"),
-}
-
-
-def _network_error(error: BaseException) -> bool:
-    for module, names in _NETWORK_ERRORS.items():
-        found = sys.modules.get(module)
-        kinds = tuple(k for k in (getattr(found, n, None) for n in names) if isinstance(k, type))
-        if kinds and isinstance(error, kinds):
-            return True
-    return False
-
-
-def _http_status(error: BaseException) -> int | None:
-    """The HTTP status of an error that carries one: ``status`` (aiohttp, fsspec's HTTP), an
-    int ``code`` (gcsfs), or a botocore ``response``."""
-    status = getattr(error, "status", None)
-    if isinstance(status, int):
-        return status
-    code = getattr(error, "code", None)
-    if isinstance(code, int) and 100 <= code < 600:
-        return code
-    response = getattr(error, "response", None)
-    if isinstance(response, dict):
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if isinstance(status, int):
-            return status
-    return None
-
-
-def is_transient(error: BaseException) -> bool:
-    """Whether asking again may succeed: connection resets and refusals, timeouts, throttling
-    and 5xx answers yes; missing objects or buckets, refused access, bad requests no.
-
-    Only what is known to be a fault of the network or the store is transient: any other
-    exception (a ``TypeError``, ``KeyError``, ... of a bug) is not, so it surfaces at once
-    instead of after every retry."""
-    if isinstance(
-        error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-    ):
-        return False
-    status = _http_status(error)
-    if status is not None:  # an HTTP answer: its status decides
-        return status in (408, 429) or status >= 500
-    if isinstance(error, (ConnectionError, TimeoutError)) or _network_error(error):
-        return True
-    if not isinstance(error, OSError):  # not a fault of I/O: a bug, surfaced at once
-        return False
-    if error.errno in _PERMANENT_ERRNO:
-        return False
-    # the other OSErrors: what the backends make of the store's answers (s3fs: a 503 or
-    # SlowDown as EBUSY, a 500 as EREMOTEIO, an unknown code as EIO), unless a code says no
-    text = " ".join(str(a) for a in getattr(error, "args", ()) if not str(a).startswith("http"))
-    return not _PERMANENT.search(text)
-
-
 def read_range(
     url: str,
     start: int,
@@ -291,8 +145,10 @@ def read_range(
 ) -> bytes:
     """Bytes ``[start, stop)`` of ``url``, fetched ``policy.block_bytes`` at a time.
 
-    A block whose request fails with a transient error (``is_transient``) is asked for again
-    after a backoff with jitter, from the first byte not yet received: the read goes on where
+    Each request waits its turn in the node's request budget (``storage.governor``). A block
+    whose request fails with a transient error (``is_transient``) is asked for again after a
+    backoff with jitter (throttling: as ``retry.retrying`` says), from the first byte not yet
+    received: the read goes on where
     it broke, never from the start of the object, and returns whole or raises. A permanent
     error of the store, or a block that fails ``policy.attempts`` times, raises ``StorageError``
     naming the URL, the byte offset and the cause; any other exception (a bug) is raised as
@@ -307,7 +163,7 @@ def read_range(
     at = start
     while stop is None or at < stop:
         end = None if stop is None else min(stop, at + policy.block_bytes)
-        data = _retrying(
+        data = retrying(
             url,
             at,
             lambda a=at, e=end: _fetch(fs, path, a, e, policy.timeout),
@@ -340,54 +196,8 @@ def object_size(
     there."""
     policy = policy or ReadPolicy()
     fs, path = filesystem(url, storage_options)
-    size = _retrying(url, 0, lambda: fs.size(path), policy, None, counts)
+    size = retrying(url, 0, lambda: fs.size(path), policy, None, counts)
     return None if size is None else int(size)
-
-
-def _retrying(
-    url: str,
-    at: int,
-    request,
-    policy: ReadPolicy,
-    cancel: threading.Event | None,
-    counts: RequestCounts | None = None,
-):
-    """``request()``, asked again after a backoff with jitter while it fails with a transient
-    error, ``policy.attempts`` tries in all. A permanent error of the store raises
-    ``StorageError`` (``ObjectNotFoundError`` for a missing object) naming ``url`` and the byte
-    ``at``; any other exception (a bug) is raised as it is, at once."""
-    failures = 0
-    while True:
-        if cancel is not None and cancel.is_set():
-            raise StorageError(f"{url}: read cancelled at byte {at}")
-        if counts is not None:
-            counts.add(requests=1)
-        try:
-            return request()
-        except Exception as e:  # noqa: BLE001 - classified below; every path re-raises or retries
-            cause = f"{type(e).__name__}: {e}".strip()
-            if not is_transient(e):
-                if not (isinstance(e, OSError) or _http_status(e) is not None):
-                    # not the store's answer but a bug (or a fault of no known kind): as it
-                    # is, so that on_shard_error="skip" cannot count it as an unreadable shard
-                    if hasattr(e, "add_note"):  # Python 3.11+
-                        e.add_note(f"while reading {url} from byte {at}")
-                    raise
-                kind = ObjectNotFoundError if isinstance(e, FileNotFoundError) else StorageError
-                raise kind(f"{url}: cannot read from byte {at}: {cause}") from e
-            failures += 1
-            if failures >= policy.attempts:
-                raise StorageError(
-                    f"{url}: gave up at byte {at} after {failures} attempts; last: {cause}"
-                ) from e
-            if counts is not None:
-                counts.add(retries=1)
-            log.info("%s: retrying from byte %d (%s)", url, at, cause)
-            wait = min(policy.max_backoff, policy.backoff * 2 ** (failures - 1))
-            if cancel is not None:
-                cancel.wait(wait * (0.5 + random.random()))
-            else:
-                time.sleep(wait * (0.5 + random.random()))
 
 
 def _ignore_outcome(task) -> None:
