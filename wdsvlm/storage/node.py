@@ -101,12 +101,20 @@ def _opened_copy(path: str, size: int) -> bool:
     return True
 
 
+FETCH_BYTES = 64 * 2**20
+"""Bytes of a copy asked for a request (or the read policy's ``block_bytes``, if larger): few
+round trips for a large table, and a request that breaks is asked again from its first byte."""
+
+
 def _fetch(url, size, folder, storage_options, policy) -> tuple[str, tuple[int, str]]:
-    """``url`` fetched into a new temporary file of ``folder``, ``policy.block_bytes`` a
-    request; its path, and the size and sha256 of what came."""
+    """``url`` fetched into a new temporary file of ``folder``, ``FETCH_BYTES`` a request; its
+    path, and the size and sha256 of what came."""
+    from dataclasses import replace
+
     from .fs import ReadPolicy, read_range
 
     policy = policy or ReadPolicy()
+    policy = replace(policy, block_bytes=max(policy.block_bytes, FETCH_BYTES))
     fd, tmp = tempfile.mkstemp(prefix=".fetch-", suffix=".tmp", dir=folder)
     digest, got = hashlib.sha256(), 0
     try:
