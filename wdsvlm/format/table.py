@@ -189,7 +189,9 @@ class ShardTable(Sequence):
         """The table mapped from this node's copy, fetched by the first process of the node
         that opens it (``storage.node.node_copy``); a copy that is not a table at its right
         size (damaged on disk) is fetched anew once."""
-        folder = os.path.join(node_folder(getattr(self.policy, "node_dir", None)), TABLES)
+        folder = os.path.join(
+            node_folder(getattr(self.policy, "node_dir", None), make=False), TABLES
+        )
         where = (self.url, self.table_sha256, self.described["bytes"], folder, ".shards")
         options = {"storage_options": self.storage_options, "policy": self.policy}
         path = node_copy(*where, **options)

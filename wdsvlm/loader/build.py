@@ -168,7 +168,7 @@ def on_this_node(settings: LoaderSettings) -> LoaderSettings:
     policy = settings.read_policy or ReadPolicy()
     if policy.node_dir is not None:
         return settings
-    folder = node_folder(settings.local_dir, settings.cache_dir)
+    folder = node_folder(settings.local_dir, settings.cache_dir, make=False)  # made if used
     return replace(settings, read_policy=replace(policy, node_dir=folder))
 
 
