@@ -8,9 +8,11 @@ and answering the others as S3 does (``503 Slow Down``, ``SlowDown`` body, no Re
 as the Hub does (``429`` with ``Retry-After: 1``). RANKS processes (ranks 0..RANKS-1 of a world
 of RANKS, WORKERS DataLoader workers each) read one pass of it with small blocks (so that the
 pass takes many requests) and a fresh node folder. For each N and style it prints: whether the
-pass completed with batches identical to an unthrottled run, the admitted requests/s as a share
-of N over the whole pass and once settled (from 5 s after the first request to the last), and
-the throttled answers as a share of all answers, over the whole pass and once settled.
+pass completed with batches identical to an unthrottled run, the request rate of the same pass
+unthrottled (the demand: a share of N above it needs a demand above N), the admitted
+requests/s as a share of N over the whole pass and once settled (from 5 s after the first
+request to the last), and the throttled answers as a share of all answers, over the whole pass
+and once settled.
 
     python scripts/bench_throttle.py rank URL RANK WORLD WORKERS BLOCK NODE_DIR OUT
 
@@ -63,7 +65,7 @@ def rank_main(url, rank, world, workers, block, node_dir, out) -> None:
     import wdsvlm
     from wdsvlm.storage.fs import ReadPolicy
 
-    faulthandler.dump_traceback_later(float(os.environ.get("BENCH_RANK_TIMEOUT", 300)), exit=True)  # a hang prints every thread's stack
+    faulthandler.dump_traceback_later(300, exit=True)  # a hang prints every thread's stack
     policy = ReadPolicy(block_bytes=int(block), node_dir=node_dir)
     loader = wdsvlm.Loader(
         url,
@@ -144,6 +146,10 @@ def main() -> None:
         block = 65536 if rate <= 20 else 8192
         for style in args.styles:
             throttle = Throttle(rate, style)
+            counted = Throttle(10**9)  # throttles nothing: the pass's own request rate
+            with range_server(EXAMPLE, throttle=counted) as server:
+                run_pass(server.url, args.ranks, args.workers, block)
+            demand = figures(counted.answers, rate)["throughput_of_cap"] * rate
             with range_server(EXAMPLE, throttle=throttle) as server:
                 started = time.monotonic()
                 got = run_pass(server.url, args.ranks, args.workers, block, timeout=600)
@@ -154,6 +160,7 @@ def main() -> None:
                 "block_bytes": block,
                 "identical": got == reference,
                 "wall_s": round(wall, 1),
+                "unthrottled_requests_per_s": round(demand, 1),
                 **figures(throttle.answers, rate),
             }
             print(json.dumps(result), flush=True)

@@ -6,11 +6,13 @@ of the node's budget file, to learn whether another process of the node was thro
 
 - **Throttled** (``retry.is_throttling``: 429, 503 SlowDown, ...): the store's rate is
   governed from then on, for every process of the node, AIMD-style. The first throttling sets
-  it to half of what this process was sending; each later one halves it (at most once a
-  second: the answers to requests already sent say nothing new) and remembers the rate that
-  was throttled as the store's ceiling. Each second of requests without throttling adds some
-  back: half-way to 0.9 x the ceiling at once, then, after a few seconds there, a step that
-  doubles each second, probing whether the store now allows more.
+  it to half of what this process was sending, and each later one at or above the store's
+  ceiling (the rate throttled last) halves it and makes it the ceiling; one below the ceiling
+  (requests bunched by a busy CPU) takes a quarter off, and a tenth off the ceiling. At most
+  one cut a second, and none before the requests booked at the old rate have gone out: their
+  answers say nothing new. Each second of requests without throttling adds some back:
+  half-way to 0.9 x the ceiling (at least a fifth of it), then, after a few seconds there, a
+  step that doubles each second, probing whether the store now allows more.
 - **Capped** (``ReadPolicy.requests_per_second``): the node's requests to all stores together
   are spaced ``1 / cap`` seconds apart.
 
@@ -150,7 +152,7 @@ def _grow(entry: dict) -> None:
     target = 0.9 * entry["ceiling"]
     if entry["rate"] < target:
         gap = target - entry["rate"]
-        entry["rate"] = min(target, entry["rate"] + max(gap / 2, 0.05 * target))
+        entry["rate"] = min(target, entry["rate"] + max(gap / 2, 0.2 * target))
         entry["held"], entry["step"] = 0, 0.0
     elif entry["held"] < HOLD:
         entry["held"] += 1
@@ -164,15 +166,22 @@ def _cut(state: dict, store: str, sending: float, now: float) -> None:
     if entry is None:
         entry = state["stores"][store] = {"rate": sending, "next": now, "cut": 0.0}
     entry.update(seen=now, changed=now, sent=0)
-    if now - entry["cut"] < WINDOW:
-        return  # already lowered for the requests in flight
+    if now < entry["cut"] + WINDOW or now < entry.get("booked", 0.0):
+        return  # already lowered: the answers to requests sent or booked before say nothing new
     log.info("%s throttles: %.1f requests/s on this node, now %.1f", store, *_halve(entry))
-    entry["cut"] = now
+    entry["cut"], entry["booked"] = now, entry["next"]
 
 
 def _halve(entry: dict) -> tuple[float, float]:
     before = entry["rate"]
-    entry.update(ceiling=before, rate=max(MIN_RATE, before / 2), held=0, step=0.0)
+    ceiling = entry.get("ceiling", before)
+    if before < ceiling:
+        # below the rate throttled last (requests bunched by a busy CPU, a process that had
+        # not yet learned the rate): a quarter off, and the ceiling a tenth lower
+        entry.update(ceiling=0.9 * ceiling, rate=max(MIN_RATE, 0.75 * before))
+    else:  # the store's limit found again, or a first one
+        entry.update(ceiling=before, rate=max(MIN_RATE, before / 2))
+    entry.update(held=0, step=0.0)
     return before, entry["rate"]
 
 

@@ -282,8 +282,8 @@ def retrying(
                 if counts is not None:
                     counts.add(throttled=1)
                 governor.throttled(url, policy.node_dir)
-                wait = min(policy.max_backoff, policy.backoff * 2 ** (throttles - 1))
-                wait *= 0.5 + random.random()
+                # the governor paces the node already: a short wait of its own, with jitter
+                wait = min(1.0, policy.backoff * 2 ** (throttles - 1)) * (0.5 + random.random())
                 asked = retry_after(e)
                 wait = max(wait, asked or 0.0)  # never sooner than the store asks
                 if now - throttled_since + wait > policy.throttle_wait:
