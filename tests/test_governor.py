@@ -103,6 +103,17 @@ def test_a_retry_after_is_waited_out_before_asking_again(blob, tmp_path):
     assert counts.throttled == throttle.throttled == len(waits)
 
 
+def test_nothing_is_paced_or_written_until_a_store_throttles_or_a_cap_is_set(blob, tmp_path):
+    folder, data = blob
+    policy = ReadPolicy(block_bytes=4096, node_dir=str(tmp_path / "node"))
+    with range_server(folder) as server:
+        started = time.monotonic()
+        assert read_range(f"{server.url}/blob", 0, None, policy=policy) == data
+        assert read_range(f"{server.url}/blob", 0, 64 * 4096, policy=policy) == data[: 64 * 4096]
+    assert time.monotonic() - started < 5
+    assert not (tmp_path / "node").exists()
+
+
 def test_throttle_retries_do_not_use_up_the_fault_attempts(blob, tmp_path):
     folder, data = blob
     throttle = Throttle(10, "s3")

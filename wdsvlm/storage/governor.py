@@ -107,7 +107,8 @@ class Governor:
     def _update(self, change):
         """``change(state, now)`` applied to the node's budget file under its lock."""
         with self._lock:
-            if self._fd is None:
+            if self._fd is None:  # the folder made by the first that governs, not before
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
@@ -211,9 +212,7 @@ def governor_of(node_dir: str | None) -> Governor:
     if found is None:
         with _GOVERNORS_LOCK:
             if key not in _GOVERNORS:
-                folder = node_dir or default_folder()
-                os.makedirs(folder, exist_ok=True)
-                _GOVERNORS[key] = Governor(folder)
+                _GOVERNORS[key] = Governor(node_dir or default_folder())
             found = _GOVERNORS[key]
     return found
 
