@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -195,5 +196,7 @@ def test_the_node_folder_is_local_dir_else_under_the_cache_folder(tmp_path):
     assert cached.read_policy.node_dir == os.path.join(str(tmp_path / "cache"), "node")
     policy = ReadPolicy(node_dir=str(tmp_path / "policy"), attempts=2)
     kept = on_this_node(LoaderSettings(local_dir=str(tmp_path / "x"), read_policy=policy))
-    assert kept.read_policy == policy
+    assert kept.read_policy == replace(policy, node_bytes=LoaderSettings().local_bytes)
+    capped = replace(policy, node_bytes=5)
+    assert on_this_node(LoaderSettings(local_bytes=7, read_policy=capped)).read_policy == capped
     assert "local_dir" not in on_this_node(LoaderSettings()).shaping()  # not in a state

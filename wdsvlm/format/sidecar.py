@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import threading
 import time
@@ -36,6 +37,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShardFormatError
+
+log = logging.getLogger("wdsvlm.sidecar")
 
 SIDECAR_SUFFIX = ".idx"
 _ARRAYS = ("offset", "size", "key_bytes", "key_end", "image_count", "image_size", "turn_count")
@@ -192,7 +195,16 @@ class LazyEntries(Sequence):
     seconds have passed: a row of a shard table (version 3) makes a new one each time it is
     asked for (each span of a plan), a version-2 index keeps one per shard. A dataset rewritten
     in place under a Loader that keeps its sidecars is so found before its new shards are read
-    with the old offsets. ``shard``: the shard's name, for the errors."""
+    with the old offsets. ``shard``: the shard's name, for the errors.
+
+    A sidecar on a store (S3, GCS, HTTP, the Hub) whose size and sha256 the index records is
+    read from this node's copy (``storage.node.node_copy``): fetched into the node folder
+    (``ReadPolicy.node_dir``) as ``sidecars/<sha256>.idx`` by the first process of the node
+    that asks for it, checked against that size and sha256, then read from local disk by every
+    process of the node; the copies take at most ``ReadPolicy.node_bytes`` (the Loader's
+    ``local_bytes``), the least recently used removed first. A dataset rewritten in place
+    names new digests, so new copies. The fetch is counted in ``counting`` (a request), a read
+    of the node's copy is not."""
 
     def __init__(
         self,
@@ -237,20 +249,24 @@ class LazyEntries(Sequence):
 
         fs, path = filesystem(self.url, self.storage_options)
         local = is_local(fs)
+        counts = counting.get()
+        cap = 0 if local else self._node_cap()
         try:
             stat = _stat(path) if local else None
-            counts = counting.get()
-            if counts is None or "://" not in self.url:
-                data = read_bytes(self.url, self.storage_options, self.policy)
-            else:  # as read_bytes reads it, counted
-                options, policy = self.storage_options, self.policy
-                data = read_range(self.url, 0, None, options, policy, None, counts)
+            if cap:  # this node's copy, fetched by its first process that asks
+                entries, path = self._from_node(cap, counts), None
+            else:
+                if counts is None or "://" not in self.url:
+                    data = read_bytes(self.url, self.storage_options, self.policy)
+                else:  # as read_bytes reads it, counted
+                    options, policy = self.storage_options, self.policy
+                    data = read_range(self.url, 0, None, options, policy, None, counts)
+                entries = Entries(data, self.url)
+                self._check(data)
         except FileNotFoundError:
             raise ShardFormatError(
                 f"{self.url}: the shard's sidecar is missing (it keeps the shard's sample offsets)"
             ) from None
-        entries = Entries(data, self.url)
-        self._check(data)
         if len(entries) != self.samples:
             raise ShardFormatError(
                 f"{self.url}: {len(entries)} samples, but the index says {self.samples}"
@@ -264,14 +280,63 @@ class LazyEntries(Sequence):
         self._checked = time.monotonic()
         return entries
 
+    def _node_cap(self) -> int:
+        """The bytes this node's copies of sidecars may take (the read policy's
+        ``node_bytes``), or 0 where this one is read from the store by each process: a sidecar
+        its index records no size and sha256 of (nothing to name and check a copy by), or one
+        larger than the cap."""
+        from ..storage.node import LOCAL_BYTES
+
+        if not self.sha256 or self.sidecar_bytes is None:
+            return 0
+        cap = getattr(self.policy, "node_bytes", None)
+        cap = LOCAL_BYTES if cap is None else cap
+        return cap if self.sidecar_bytes <= cap else 0
+
+    def _from_node(self, cap: int, counts: Any) -> Entries:
+        """The entries from this node's copy (``<node folder>/sidecars/<sha256>.idx``), read
+        from local disk; fetched (and counted in ``counts``) where the node has none, where
+        another process removed it to make room before it was read, or where it is damaged."""
+        from ..storage.node import SIDECARS, WrongCopyError, node_copy, node_folder
+
+        node = node_folder(getattr(self.policy, "node_dir", None), make=False)
+        folder = os.path.join(node, SIDECARS)
+        where = (self.url, self.sha256, self.sidecar_bytes, folder, SIDECAR_SUFFIX)
+        options, policy, wrong, damage = self.storage_options, self.policy, None, None
+        for _ in range(3):
+            try:
+                path = node_copy(*where, options, policy, wrong, cap, counts)
+            except WrongCopyError as e:  # the store's is not the one the index records
+                raise self._unlike(*e.found[-1]) from None
+            try:
+                with open(path, "rb") as f:
+                    wrong, data = os.fstat(f.fileno()).st_ino, f.read()
+            except FileNotFoundError:
+                wrong = None  # removed to make room meanwhile: fetched again
+                continue
+            try:
+                entries = Entries(data, path)
+                self._check(data)
+                return entries
+            except ShardFormatError as e:
+                log.warning("%s: this node's copy is damaged (%s); fetching it anew", path, e)
+                damage = e
+        raise ShardFormatError(
+            f"shard {self.shard or '?'}: its sidecar's copy in {folder} is damaged even fetched "
+            f"anew ({damage}): check the node's disk, or give the Loader another local_dir"
+        )
+
     def _check(self, data: bytes) -> None:
         """The sidecar read is the one the index records: its size, and its sha256."""
         size = len(data)
         digest = hashlib.sha256(data).hexdigest() if self.sha256 else None
         if (self.sidecar_bytes is None or size == self.sidecar_bytes) and digest == self.sha256:
             return
+        raise self._unlike(size, digest)
+
+    def _unlike(self, size: int, digest: str | None) -> ShardFormatError:
         said = "" if self.sidecar_bytes is None else f"{self.sidecar_bytes} bytes, "
-        raise ShardFormatError(
+        return ShardFormatError(
             f"shard {self.shard or '?'}: its sidecar {self.url} is {size} bytes, sha256 "
             f"{(digest or '?')[:12]}..., but the index this Loader read records {said}sha256 "
             f"{(self.sha256 or '?')[:12]}...: the dataset was rewritten in place since the "

@@ -162,14 +162,19 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
 
 def on_this_node(settings: LoaderSettings) -> LoaderSettings:
     """The settings with their read policy's ``node_dir`` filled in (``local_dir``, else
-    ``cache_dir/node``, else a temporary folder: ``storage.node.node_folder``): every process
-    of the Loader (DataLoader workers, Ray actors) gets the policy pickled, so all of a node's
-    use the same folder, and the shard table's copy there."""
+    ``cache_dir/node``, else a temporary folder: ``storage.node.node_folder``) and its
+    ``node_bytes`` (``local_bytes``), where the policy leaves them open: every process of the
+    Loader (DataLoader workers, Ray actors) gets the policy pickled, so all of a node's use the
+    same folder, the shard table's copy there and the sidecars' copies."""
     policy = settings.read_policy or ReadPolicy()
-    if policy.node_dir is not None:
+    filled = {}
+    if policy.node_dir is None:
+        filled["node_dir"] = node_folder(settings.local_dir, settings.cache_dir, make=False)
+    if policy.node_bytes is None:
+        filled["node_bytes"] = settings.local_bytes
+    if not filled:
         return settings
-    folder = node_folder(settings.local_dir, settings.cache_dir, make=False)  # made if used
-    return replace(settings, read_policy=replace(policy, node_dir=folder))
+    return replace(settings, read_policy=replace(policy, **filled))
 
 
 def plan_of(

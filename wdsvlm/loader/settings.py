@@ -22,6 +22,7 @@ from ..pipeline.order import SPAN_BYTES, SPAN_SAMPLES
 from ..pipeline.plan import PLAN_VERSION, check_version
 from ..pipeline.token_weights import check_weight_by
 from ..storage.fs import ReadPolicy
+from ..storage.node import LOCAL_BYTES
 from .placement import LOCAL, check_workers
 from .workers import check_context
 
@@ -133,7 +134,12 @@ class LoaderSettings:
     """A folder on this node's own disk for what the node's processes share: the copy of a
     shard table on a store, fetched once per node and mapped by every rank, worker and Ray
     actor of the node. None: ``cache_dir/node``, else ``wdsvlm-<uid>`` in the temporary
-    folder (a ``read_policy``'s ``node_dir``, where given, wins)."""
+    folder (a ``read_policy``'s ``node_dir``, where given, wins). The copies of the shards'
+    sidecars on a store go there too."""
+    local_bytes: int = LOCAL_BYTES
+    """Bytes the node's copies of sidecars may take in ``local_dir`` (the least recently used
+    removed first; 0: none kept, each process reads them from the store). A
+    ``read_policy``'s ``node_bytes``, where given, wins."""
     pin_memory: bool = False
     prefetch_factor: int | None = None
     """Batches each DataLoader worker prepares ahead (None: 2)."""
@@ -167,7 +173,7 @@ class LoaderSettings:
             "max_consecutive_failures",
             "max_video_pixels",
         ]
-        at_least_zero = ["num_workers", "read_ahead", "video_threads"]
+        at_least_zero = ["num_workers", "read_ahead", "video_threads", "local_bytes"]
         optional_positive = [
             "shuffle_buffer",
             "span_samples",

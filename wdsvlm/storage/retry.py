@@ -50,6 +50,10 @@ class ReadPolicy:
     """A node-local folder for what the node's processes share (the shard table's copy, the
     request budget); None: the Loader's ``local_dir``, else the cache folder, else a
     temporary folder (``storage.node.node_folder``)."""
+    node_bytes: int | None = None
+    """Bytes the copies of the shards' sidecars may take in ``node_dir`` (the least recently
+    used removed first; 0: none kept, each process reads them from the store); None: the
+    Loader's ``local_bytes``, else ``storage.node.LOCAL_BYTES``."""
 
     def __post_init__(self):
         if self.block_bytes < 1 or self.attempts < 1 or self.timeout <= 0 or self.throttle_wait < 0:
