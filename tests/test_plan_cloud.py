@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -56,7 +57,11 @@ def test_the_plan_of_a_small_dataset_counts_its_chunks_requests_sidecars_and_sta
     assert alone["sidecar_requests"] == 0  # the rank's sizing read all 6 sidecars already
     two = plan_cloud(shape, job(2))["pass"]
     assert (two["spans"], two["span_requests"]) == (49, 199)  # the visit the cut falls in
-    assert two["sidecar_requests"] == 12  # each worker reads each shard's sidecar once
+    assert two["sidecar_requests"] == 0  # the node's copies, fetched by the rank's sizing
+    unsized = plan_cloud(shape, job(2, sizing=False))["pass"]
+    assert unsized["sidecar_requests"] == 6  # the node's copy of each, read by both workers
+    uncopied = plan_cloud(shape, replace(job(2), local_bytes=0))["pass"]
+    assert uncopied["sidecar_requests"] == 12  # each worker reads each from the store
     start = plan_cloud(shape, job(0))["startup_per_node"]
     # index.json and the table; the sizing: 6 sidecars and every 7th sample (35 of 240)
     assert start["requests"] == 2 + 6 + 35
@@ -112,17 +117,18 @@ def near(measured: float, predicted: float, within: float = 0.1) -> bool:
     [(0, SPAN), pytest.param(2, SPAN, marks=pytest.mark.processes), (0, 44_000)],
 )
 def test_a_real_pass_over_a_counting_store_agrees_with_the_plan_within_10_percent(
-    dataset, workers, span
+    dataset, workers, span, tmp_path
 ):
     """The Loader's start-up reads, and its requests and bytes a pass (shards: the mean of
     passes 1 to 3, counted between the first batches that hold a sample of each; sidecars:
-    the first pass, cold), as the planner predicts them, within 10%. Chunks of 7 samples
+    the first pass, the node's copies cold: the 6 sidecars once, as the 2 workers share the
+    node's copy of each), as the planner predicts them, within 10%. Chunks of 7 samples
     (``span=44_000``) run across the shards' boundaries (40 samples a shard)."""
     shape = from_index(dataset)
     options = {"max_length": 512, "batch_size": 2, "span_bytes": span, "num_workers": workers}
     options |= {"read_policy": wdsvlm.ReadPolicy(block_bytes=BLOCK), "shuffle_buffer": 8, **SMALL}
-    with range_server(dataset) as server:
-        wdsvlm.Loader(server.url, TOKENIZER, **options)  # sized: index, table, sidecars, samples
+    with range_server(dataset) as server:  # sized: index, table, sidecars, samples
+        wdsvlm.Loader(server.url, TOKENIZER, local_dir=str(tmp_path / "sized"), **options)
         start = counted(server)
     predicted = plan_cloud(shape, job(workers, span=span))["startup_per_node"]
     assert near(start["index_gets"] + start["idx_gets"] + start["tar_gets"], predicted["requests"])
@@ -130,7 +136,8 @@ def test_a_real_pass_over_a_counting_store_agrees_with_the_plan_within_10_percen
 
     plan = plan_cloud(shape, job(workers, sizing=False, span=span))["pass"]
     with range_server(dataset) as server:
-        loader = wdsvlm.Loader(server.url, TOKENIZER, batches_per_epoch=10_000, **options)
+        options |= {"local_dir": str(tmp_path / "node"), "batches_per_epoch": 10_000}
+        loader = wdsvlm.Loader(server.url, TOKENIZER, **options)
         marks = {}
         for batch in loader:
             newest = max(p for passes in batch["sample_passes"] for p in passes)
@@ -145,7 +152,7 @@ def test_a_real_pass_over_a_counting_store_agrees_with_the_plan_within_10_percen
     figures = f"shards {shard_gets} GETs {shard_bytes} B, sidecars {sidecars}; plan {plan}"
     assert near(shard_gets, plan["span_requests"]), figures
     assert near(shard_bytes, plan["span_bytes"]), figures
-    assert near(sidecars[0], plan["sidecar_requests"]), figures
+    assert sidecars[0] == plan["sidecar_requests"] == 6, figures
     assert near(sidecars[1], plan["sidecar_bytes"]), figures
     assert near(shard_gets + sidecars[0], plan["requests"]), figures
     assert near(shard_bytes + sidecars[1], plan["bytes"]), figures

@@ -24,19 +24,29 @@ The model follows the code, a single dataset read once a pass (``repeat=1``, no 
   shard's bytes less the tar's end (measured on up to 4 shards of an index; else two zero
   blocks and half of tarfile's 10240-byte record) over its samples. No HEAD is sent (the
   ranged GETs of s3fs, gcsfs and fsspec's HTTP need none).
-- **Sidecars** (index versions 2 and 3): a process reads a shard's sidecar whole (one GET)
-  the first time it reads the shard, and keeps the last 256 (``sidecar._CACHED``). Chunk
-  visits land on a worker at random, so a worker reads ``D = sum over shards of 1 - (1 -
-  1/G)^pieces`` sidecars a pass, plus, where ``D`` passes 256, each repeat visit to a shard
-  with the chance ``1 - 256 / D`` that it was evicted meanwhile. That is a first pass (cold
-  caches: a Loader's DataLoader workers are new processes each epoch unless
-  ``persistent_workers``); a dataset of at most 256 shards read by persistent workers reads
-  its sidecars once. With ``num_workers=0`` the rank's sizing (below) warms the cache.
+- **Sidecars** (index versions 2 and 3): a process reads a shard's sidecar (one GET where it
+  reads it from the store) the first time it reads the shard, and keeps the last 256
+  (``sidecar._CACHED``). Chunk visits land on a worker at random, so a worker reads ``D =
+  sum over shards of 1 - (1 - 1/G)^pieces`` sidecars a pass, plus, where ``D`` passes 256,
+  each repeat visit to a shard with the chance ``1 - 256 / D`` that it was evicted meanwhile.
+  That is a first pass (cold caches: a Loader's DataLoader workers are new processes each
+  epoch unless ``persistent_workers``); a dataset of at most 256 shards read by persistent
+  workers reads its sidecars once. With ``num_workers=0`` the rank's sizing (below) warms the
+  cache.
+- **The node's copies** (``storage.node``, ``local_bytes``): those reads go to the node's
+  copy of the sidecar; only the copy's fetch is a GET. A node's ranks hold a contiguous
+  ``1/nodes`` of the pass's order, so a node reads shard ``s`` at all with the chance ``1 - (1
+  - 1/nodes)^pieces``: its first read fetches the copy (the shards its ranks sized at
+  start-up are there already). The node holds ``C = local_bytes / mean sidecar bytes`` copies
+  (least recently used out first); of the ``D_node`` sidecars a node reads, a later read by
+  another process of the node (or the same one, after its own cache let it go) finds its copy
+  with the chance ``min(1, C / D_node)``, else fetches it again. ``local_bytes=0`` (and a
+  sidecar larger than ``local_bytes``): every process reads from the store, as above.
 - **Start-up, per node**: ``index.json`` by each rank (DataLoader workers take the rank's
   copy), the shard table (version 3) once (the node-local copy); then each rank sizes its
-  epochs (``loader/sizing.py``): the
-  sidecars of up to 64 shards spread over the list and every ``k``-th sample of them (about
-  32, ``ceil(bytes / block_bytes)`` GETs each). ``--no-sizing`` (the Loader is given
+  epochs (``loader/sizing.py``): the sidecars of up to 64 shards spread over the list (once a
+  node, the node's copies; else once a rank) and every ``k``-th sample of them (about 32,
+  ``ceil(bytes / block_bytes)`` GETs each). ``--no-sizing`` (the Loader is given
   ``batches_per_epoch``) leaves that out.
 - **Prefixes**: the store partitions its request rate by key prefix (S3: about 5,500 GET/s
   per partitioned prefix); a shard and its sidecar lie under the shard's folder
@@ -64,6 +74,7 @@ from ..pipeline.keyed import chunk_size
 from ..pipeline.order import SPAN_BYTES, SPAN_SAMPLES
 from ..pipeline.token_weights import MEASURED_SHARDS, spread_shards
 from ..storage.fs import ReadPolicy
+from ..storage.node import LOCAL_BYTES
 from .cloud_dataset import ChunkSource, DatasetShape, described, from_index
 
 __all__ = ["DatasetShape", "JobShape", "Prices", "described", "from_index", "plan_cloud"]
@@ -90,11 +101,13 @@ class JobShape:
     block_bytes: int = ReadPolicy.block_bytes
     sizing: bool = True
     """Whether each rank sizes its epochs at start-up (no ``batches_per_epoch`` given)."""
+    local_bytes: int = LOCAL_BYTES
+    """Bytes the node's copies of sidecars may take (the Loader's ``local_bytes``; 0: none)."""
 
     def __post_init__(self):
         if min(self.nodes, self.gpus_per_node, self.span_bytes, self.block_bytes) < 1:
             raise ValueError(f"a job needs at least one node, GPU and byte: {self}")
-        if self.workers < 0 or self.samples_per_second <= 0:
+        if self.workers < 0 or self.local_bytes < 0 or self.samples_per_second <= 0:
             raise ValueError(f"workers >= 0 and samples_per_second > 0, not {self}")
 
     @property
@@ -185,31 +198,56 @@ def _sidecar_reads(shape: DatasetShape, job: JobShape, pieces: np.ndarray, spans
         again = (visits - distinct) * (1 - SIDECAR_CACHE / distinct)
         per_worker = per_worker * (1 + max(0.0, again) / distinct)
     reads = per_worker * g
+    kept = (shape.sidecar_bytes <= job.local_bytes) & (job.local_bytes > 0)
+    if kept.any():  # the node's copies: the processes' reads of a kept sidecar, fetched
+        reads = np.where(kept, _node_fetches(shape, job, pieces, reads, kept), reads)
     return reads, float((reads * shape.sidecar_bytes).sum())
+
+
+def _node_fetches(shape, job, pieces, reads, kept) -> np.ndarray:
+    """Per shard, the fetches of its sidecar by all nodes in a pass, where ``reads`` are the
+    reads of all processes, each node keeping the copies of ``kept`` sidecars."""
+    n = job.nodes
+    touched = 1.0 - np.exp(pieces * math.log1p(-1.0 / n)) if n > 1 else (pieces > 0) * 1.0
+    first = touched.copy()
+    if job.sizing:  # fetched at start-up (``startup_reads``)
+        first[spread_shards(shape.shards, MEASURED_SHARDS)] = 0.0
+    distinct = float(touched[kept].sum())
+    held = max(1.0, float(shape.sidecar_bytes[kept].mean()))
+    found = min(1.0, job.local_bytes / held / distinct) if distinct else 1.0
+    again = np.maximum(0.0, reads / n - first)
+    return n * (first + again * (1.0 - found))
 
 
 def startup_reads(shape: DatasetShape, job: JobShape) -> dict[str, int]:
     """GETs and bytes a node sends before its first batch: ``index.json`` by each rank, the
-    table once, and each rank's sizing (sidecars of the measured shards and a few samples)."""
+    table once, and each rank's sizing: the sidecars of the measured shards (once a node,
+    into its copies, where ``local_bytes`` holds them) and a few samples."""
     ranks = job.gpus_per_node
     requests = ranks + (shape.table_bytes > 0)
     nbytes = ranks * shape.index_bytes + shape.table_bytes
-    sizing_requests = sizing_bytes = 0
+    sizing_requests = sizing_bytes = sidecar_requests = sidecar_bytes = 0
     if job.sizing:
         measured = spread_shards(shape.shards, MEASURED_SHARDS)
         held = int(shape.samples[measured].sum())
         chosen = -(-held // max(1, held // SIZING_SAMPLES))
-        sample = shape.mean_sample
-        sizing_requests = len(measured) * bool(shape.sidecar_bytes.any())
-        sizing_requests += round(chosen * request_table(1, shape, job.block_bytes)[1])
-        sizing_bytes = int(shape.sidecar_bytes[measured].sum() + chosen * sample)
+        sidecar_requests = len(measured) * bool(shape.sidecar_bytes.any())
+        sidecar_bytes = int(shape.sidecar_bytes[measured].sum())
+        sizing_requests = round(chosen * request_table(1, shape, job.block_bytes)[1])
+        sizing_bytes = int(chosen * shape.mean_sample)
+        if shape.sidecar_bytes[measured].max(initial=0) > job.local_bytes:  # once a rank
+            sizing_requests += sidecar_requests
+            sizing_bytes += sidecar_bytes
+            sidecar_requests = sidecar_bytes = 0
     return {
         "index_bytes": shape.index_bytes,
         "table_bytes": shape.table_bytes,
+        "sidecar_requests": sidecar_requests,
+        "sidecar_bytes": sidecar_bytes,
         "sizing_requests_per_rank": sizing_requests,
         "sizing_bytes_per_rank": sizing_bytes,
-        "requests": requests + ranks * sizing_requests,
-        "bytes": nbytes + ranks * sizing_bytes,
+        "requests": requests + sidecar_requests + ranks * sizing_requests,
+        "bytes": nbytes + sidecar_bytes + ranks * sizing_bytes,
     }
 
 

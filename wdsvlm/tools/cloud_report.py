@@ -10,6 +10,7 @@ from typing import Any
 
 from ..pipeline.order import SPAN_BYTES, SPAN_SAMPLES
 from ..storage.fs import ReadPolicy
+from ..storage.node import LOCAL_BYTES
 from .arguments import byte_size, common_options, positive
 from .cloud_dataset import SIDECAR_BYTES_PER_SAMPLE, SIDECAR_HEADERS, described, from_index
 from .cloud_plan import (
@@ -67,6 +68,14 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "--no-sizing",
         action="store_true",
         help="the Loader is given batches_per_epoch: no sizing reads at start-up",
+    )
+    plan.add_argument(
+        "--local-bytes",
+        type=byte_size,
+        default=LOCAL_BYTES,
+        metavar="SIZE",
+        help="bytes the node's copies of sidecars may take, the Loader's local_bytes "
+        "(default 4GiB; 0: none, each process reads them from the store)",
     )
     plan.add_argument(
         "--sidecar-bytes-per-sample",
@@ -139,6 +148,7 @@ def run(args: argparse.Namespace) -> None:
         args.span_samples,
         args.block_bytes,
         sizing=not args.no_sizing,
+        local_bytes=args.local_bytes,
     )
     prices = Prices(args.get_price, tuple(args.egress_price))
     plan = plan_cloud(shape_of(args), job, prices, args.prefix_limit, args.prefixes)
@@ -188,9 +198,9 @@ def render(plan: dict[str, Any]) -> str:
         f"cost       ${c['gets']:,.2f} of GETs a pass (${c['prices']['get_per_1000']} per "
         f"1,000); egress {egress} (prices are inputs: --get-price, --egress-price)",
         f"start-up   {size(s['bytes'])} in {s['requests']:,} GETs a node: index.json "
-        f"{size(s['index_bytes'])}, shard table {size(s['table_bytes'])} (one copy a node), "
-        f"sizing {size(s['sizing_bytes_per_rank'])} in {s['sizing_requests_per_rank']} GETs "
-        "a rank",
+        f"{size(s['index_bytes'])}, shard table {size(s['table_bytes'])} and sizing's "
+        f"sidecars {size(s['sidecar_bytes'])} (one copy a node), sizing "
+        f"{size(s['sizing_bytes_per_rank'])} in {s['sizing_requests_per_rank']} GETs a rank",
     ]
     verdict = "EXCEEDED" if lim["exceeded"] else "holds"
     line = f"limit      {lim['limit']:,.0f} GET/s a prefix: {verdict}"
