@@ -232,3 +232,21 @@ def test_a_dataset_rewritten_in_place_has_its_sidecars_fetched_anew(tmp_path, ll
             old[1]["entries"].loaded()
     digests = {shard["sidecar"]["sha256"] for shard in (old[0], *new)}
     assert set(node_copies(node)) == {f"{digest}.idx" for digest in digests}
+
+
+def test_a_node_folder_that_takes_no_copy_leaves_the_sidecars_read_from_the_store(
+    tmp_path, llava_input, caplog
+):
+    """``sidecars`` in the node folder is a file (no copy can be kept there): each sidecar is
+    read from the store, with one warning naming the folder and the fix."""
+    write(llava_input, str(tmp_path / "ds"), per_shard=2)
+    node = tmp_path / "node"
+    node.mkdir()
+    (node / SIDECARS).write_text("not a folder")
+    with range_server(str(tmp_path / "ds")) as server:
+        with caplog.at_level("WARNING", logger="wdsvlm.sidecar"):
+            loaded = [len(shard["entries"].loaded()) for shard in shards_of(server.url, str(node))]
+        assert loaded == [2] * 6
+        assert asked_sidecars(server) == dict.fromkeys(sidecars_of(str(tmp_path / "ds")), 1)
+    warned = [r.getMessage() for r in caplog.records if "cannot be kept there" in r.getMessage()]
+    assert len(warned) == 1 and str(node / SIDECARS) in warned[0] and "local_dir" in warned[0]

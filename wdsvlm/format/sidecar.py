@@ -176,6 +176,8 @@ _cache: OrderedDict[tuple, tuple[Entries, str | None, tuple | None]] = OrderedDi
 """(url, sha256) -> (the entries, the local file's path and ``_stat`` when it was read; None
 for a remote one)."""
 _cache_lock = threading.Lock()
+_uncopied: set[str] = set()
+"""The node folders where this process found that no copy of a sidecar could be kept."""
 
 
 counting: ContextVar = ContextVar("wdsvlm_sidecar_counts", default=None)
@@ -253,9 +255,8 @@ class LazyEntries(Sequence):
         cap = 0 if local else self._node_cap()
         try:
             stat = _stat(path) if local else None
-            if cap:  # this node's copy, fetched by its first process that asks
-                entries, path = self._from_node(cap, counts), None
-            else:
+            entries = self._from_node(cap, counts) if cap else None
+            if entries is None:
                 if counts is None or "://" not in self.url:
                     data = read_bytes(self.url, self.storage_options, self.policy)
                 else:  # as read_bytes reads it, counted
@@ -293,10 +294,13 @@ class LazyEntries(Sequence):
         cap = LOCAL_BYTES if cap is None else cap
         return cap if self.sidecar_bytes <= cap else 0
 
-    def _from_node(self, cap: int, counts: Any) -> Entries:
+    def _from_node(self, cap: int, counts: Any) -> Entries | None:
         """The entries from this node's copy (``<node folder>/sidecars/<sha256>.idx``), read
         from local disk; fetched (and counted in ``counts``) where the node has none, where
-        another process removed it to make room before it was read, or where it is damaged."""
+        another process removed it to make room before it was read, or where it is damaged.
+        None where the node's folder takes no copy (not a folder, not writable, full): the
+        sidecar is then read from the store, with a warning once a process."""
+        from ..errors import ObjectNotFoundError
         from ..storage.node import SIDECARS, WrongCopyError, node_copy, node_folder
 
         node = node_folder(getattr(self.policy, "node_dir", None), make=False)
@@ -308,6 +312,19 @@ class LazyEntries(Sequence):
                 path = node_copy(*where, options, policy, wrong, cap, counts)
             except WrongCopyError as e:  # the store's is not the one the index records
                 raise self._unlike(*e.found[-1]) from None
+            except OSError as e:
+                if isinstance(e, ObjectNotFoundError):
+                    raise  # not on the store: the sidecar is missing
+                if folder not in _uncopied:
+                    _uncopied.add(folder)
+                    log.warning(
+                        "%s: the node's copies of sidecars cannot be kept there (%s): this "
+                        "process reads them from the store (free the node's disk, or give "
+                        "the Loader another local_dir, or local_bytes=0)",
+                        folder,
+                        e,
+                    )
+                return None
             try:
                 with open(path, "rb") as f:
                     wrong, data = os.fstat(f.fileno()).st_ino, f.read()
