@@ -16,7 +16,7 @@ and once settled.
 
     python scripts/bench_throttle.py rank URL RANK WORLD WORKERS BLOCK NODE_DIR OUT
 
-is one rank's process: it writes OUT (JSON: each batch's digest and the read's counts).
+is one rank's process: it writes OUT (JSON: each batch's digest).
 """
 
 from __future__ import annotations

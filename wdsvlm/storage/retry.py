@@ -56,7 +56,9 @@ class ReadPolicy:
     Loader's ``local_bytes``, else ``storage.node.LOCAL_BYTES``."""
 
     def __post_init__(self):
-        if self.block_bytes < 1 or self.attempts < 1 or self.timeout <= 0 or self.throttle_wait < 0:
+        cap = self.requests_per_second
+        wrong = self.block_bytes < 1 or self.attempts < 1 or self.timeout <= 0
+        if wrong or self.throttle_wait < 0 or (cap is not None and not cap > 0):
             raise ValueError(f"invalid read policy: {self}")
 
 
