@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 import fsspec
 import pytest
@@ -44,9 +45,12 @@ def behind_a_proxy(s3_bucket, moto_server):
     proxy.close()
 
 
-def test_sidecars_given_up_on_are_an_error_and_refused_ones_are_left_out(behind_a_proxy, caplog):
+def test_sidecars_given_up_on_are_an_error_and_refused_ones_are_left_out(
+    behind_a_proxy, caplog, tmp_path
+):
     url, options, proxy = behind_a_proxy
-    plan = Plan(url, storage_options=options, read_policy=QUICK)  # the index, no sidecar yet
+    policy = replace(QUICK, node_dir=str(tmp_path / "node"))  # no copy of a sidecar yet
+    plan = Plan(url, storage_options=options, read_policy=policy)  # the index, no sidecar yet
     proxy.cut = 1.0  # every answer breaks off: retried, then given up
     with pytest.raises(
         wdsvlm.StorageError,
