@@ -6,7 +6,8 @@ of the node's budget file, to learn whether another process of the node was thro
 
 - **Throttled** (``retry.is_throttling``: 429, 503 SlowDown, ...): the store's rate is
   governed from then on, for every process of the node, AIMD-style. The first throttling sets
-  it to half of what this process was sending, and each later one at or above the store's
+  it to half of what this process was sending (the node's rate is not known: it then grows
+  by half each second until the next throttling); each later one at or above the store's
   ceiling (the rate throttled last) halves it and makes it the ceiling; one below the ceiling
   (requests bunched by a busy CPU) takes a quarter off, and a tenth off the ceiling. At most
   one cut a second, and none before the requests booked at the old rate have gone out: their
@@ -150,6 +151,9 @@ def _take(state: dict, store: str, cap: float | None, now: float) -> float:
 
 
 def _grow(entry: dict) -> None:
+    if entry["ceiling"] is None:  # the node's limit not found yet: half as much again
+        entry["rate"] *= 1.5
+        return
     target = 0.9 * entry["ceiling"]
     if entry["rate"] < target:
         gap = target - entry["rate"]
@@ -164,8 +168,9 @@ def _grow(entry: dict) -> None:
 
 def _cut(state: dict, store: str, sending: float, now: float) -> None:
     entry = state["stores"].get(store)
-    if entry is None:
+    if entry is None:  # what this process sent, not the node: no ceiling yet
         entry = state["stores"][store] = {"rate": sending, "next": now, "cut": 0.0}
+        entry["ceiling"] = None
     entry.update(seen=now, changed=now, sent=0)
     if now < entry["cut"] + WINDOW or now < entry.get("booked", 0.0):
         return  # already lowered: the answers to requests sent or booked before say nothing new
@@ -174,9 +179,10 @@ def _cut(state: dict, store: str, sending: float, now: float) -> None:
 
 
 def _halve(entry: dict) -> tuple[float, float]:
-    before = entry["rate"]
-    ceiling = entry.get("ceiling", before)
-    if before < ceiling:
+    before, ceiling = entry["rate"], entry.get("ceiling")
+    if ceiling is None and "held" not in entry:  # the first cut: this process's rate halved
+        entry.update(rate=max(MIN_RATE, before / 2))
+    elif ceiling is not None and before < ceiling:
         # below the rate throttled last (requests bunched by a busy CPU, a process that had
         # not yet learned the rate): a quarter off, and the ceiling a tenth lower
         entry.update(ceiling=0.9 * ceiling, rate=max(MIN_RATE, 0.75 * before))
