@@ -132,7 +132,7 @@ class ReadSamples:
     def _planned(self, spans: Iterator[dict], sidecars: dict) -> Iterator[dict]:
         """``spans``, and in ``sidecars`` (``id(span)`` -> figures) the reads of a sidecar
         the plan made while making one (the shard's sample offsets, ``format.sidecar``)."""
-        counts = RequestCounts()
+        counts, spans = RequestCounts(), iter(spans)  # a Plan is iterable, not an iterator
         while True:
             token = sidecar.counting.set(counts)
             try:
