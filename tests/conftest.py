@@ -121,6 +121,13 @@ def _no_process_unless_marked(request, monkeypatch):
         pytest.fail(f"{request.node.nodeid} started {started[0]}: mark it `processes`")
 
 
+@pytest.fixture(autouse=True)
+def _own_node_folder(tmp_path_factory, monkeypatch):
+    """Each test has its own node folder (the copies of shard tables and sidecars, the request
+    budget): none is served by copies another test, or an earlier run, left behind."""
+    monkeypatch.setenv("WDSVLM_LOCAL_DIR", str(tmp_path_factory.mktemp("node")))
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadscope`` (pyproject's default) by ``module_group``: xdist's own ``loadgroup``

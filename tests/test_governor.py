@@ -191,9 +191,9 @@ def test_a_node_cap_holds_for_processes_forked_and_spawned_together(blob, tmp_pa
 
 
 def test_the_budget_lies_in_the_node_folder_the_table_copy_uses_by_default():
-    from wdsvlm.storage.node import node_folder
+    from wdsvlm.storage.folders import node_folder
 
-    assert governor.default_folder() == node_folder()
+    assert governor.governor_of(None).path == os.path.join(node_folder(), governor.FILE)
 
 
 def test_the_stagger_spreads_a_large_jobs_ranks_and_leaves_small_jobs_alone():

@@ -189,7 +189,8 @@ def test_copies_unused_for_days_are_removed_when_another_is_written(tmp_path, ll
     assert set(copies(node)) == {f"{t['sha256']}.shards" for t in tables[1:]}
 
 
-def test_the_node_folder_is_local_dir_else_under_the_cache_folder(tmp_path):
+def test_the_node_folder_is_local_dir_else_under_the_cache_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv("WDSVLM_LOCAL_DIR")  # set for each test by conftest
     given = on_this_node(LoaderSettings(local_dir=str(tmp_path / "local")))
     assert given.read_policy.node_dir == str(tmp_path / "local")
     cached = on_this_node(LoaderSettings(cache_dir=str(tmp_path / "cache")))
@@ -200,3 +201,14 @@ def test_the_node_folder_is_local_dir_else_under_the_cache_folder(tmp_path):
     capped = replace(policy, node_bytes=5)
     assert on_this_node(LoaderSettings(local_bytes=7, read_policy=capped)).read_policy == capped
     assert "local_dir" not in on_this_node(LoaderSettings()).shaping()  # not in a state
+
+
+def test_wdsvlm_local_dir_names_the_node_folder_where_local_dir_does_not(tmp_path, monkeypatch):
+    monkeypatch.setenv("WDSVLM_LOCAL_DIR", str(tmp_path / "site"))
+    assert on_this_node(LoaderSettings()).read_policy.node_dir == str(tmp_path / "site")
+    cached = on_this_node(LoaderSettings(cache_dir=str(tmp_path / "cache")))
+    assert cached.read_policy.node_dir == str(tmp_path / "site")  # the site's choice first
+    given = on_this_node(LoaderSettings(local_dir=str(tmp_path / "local")))
+    assert given.read_policy.node_dir == str(tmp_path / "local")
+    monkeypatch.delenv("WDSVLM_LOCAL_DIR")
+    assert on_this_node(LoaderSettings()).read_policy.node_dir.endswith(f"wdsvlm-{os.getuid()}")

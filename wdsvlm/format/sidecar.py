@@ -301,7 +301,8 @@ class LazyEntries(Sequence):
         None where the node's folder takes no copy (not a folder, not writable, full): the
         sidecar is then read from the store, with a warning once a process."""
         from ..errors import ObjectNotFoundError
-        from ..storage.node import SIDECARS, WrongCopyError, node_copy, node_folder
+        from ..storage.folders import node_folder
+        from ..storage.node import SIDECARS, WrongCopyError, node_copy
 
         node = node_folder(getattr(self.policy, "node_dir", None), make=False)
         folder = os.path.join(node, SIDECARS)

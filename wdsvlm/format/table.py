@@ -27,7 +27,7 @@ the new shards are not read with the old rows.
 
 A table on a store (S3, GCS, HTTP, the Hub) is fetched once per node, not once per process:
 into the node-local folder (``ReadPolicy.node_dir``, the Loader's ``local_dir``; else
-``storage.node.node_folder``'s default) as ``tables/<its sha256>.shards``, under a lock, checked
+``storage.folders.node_folder``'s default) as ``tables/<its sha256>.shards``, under a lock, checked
 against the sha256 ``index.json`` names before it is renamed into place
 (``storage.node.node_copy``); every process of the node then maps that file. A copy found
 damaged (not a table at its right size) is fetched anew once. A table whose ``index.json``
@@ -49,8 +49,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShardFormatError
+from ..storage.folders import node_folder
 from ..storage.fs import filesystem, is_local, join, publish_file, read_bytes, staging_file
-from ..storage.node import node_copy, node_folder
+from ..storage.node import node_copy
 from .sidecar import LazyEntries, sidecar_name
 
 log = logging.getLogger("wdsvlm.table")

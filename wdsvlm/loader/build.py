@@ -21,9 +21,9 @@ from ..pipeline.stats import SkipStats
 from ..pipeline.tokenize import Tokenize
 from ..pipeline.usermap import ImageMap, SampleMap, check_workers_get
 from ..storage.cache import ShardCache
+from ..storage.folders import node_folder
 from ..storage.fs import ReadPolicy
 from ..storage.governor import stagger_start
-from ..storage.node import node_folder
 from .fingerprint import dataset_facts
 from .placement import LOCAL
 from .settings import LoaderSettings, resume_config
@@ -162,7 +162,7 @@ def build(source: Any, tokenizer: Any, settings: LoaderSettings) -> LoaderParts:
 
 def on_this_node(settings: LoaderSettings) -> LoaderSettings:
     """The settings with their read policy's ``node_dir`` filled in (``local_dir``, else
-    ``cache_dir/node``, else a temporary folder: ``storage.node.node_folder``) and its
+    ``cache_dir/node``, else a temporary folder: ``storage.folders.node_folder``) and its
     ``node_bytes`` (``local_bytes``), where the policy leaves them open: every process of the
     Loader (DataLoader workers, Ray actors) gets the policy pickled, so all of a node's use the
     same folder, the shard table's copy there and the sidecars' copies."""

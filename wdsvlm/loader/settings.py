@@ -133,9 +133,9 @@ class LoaderSettings:
     local_dir: str | None = None
     """A folder on this node's own disk for what the node's processes share: the copy of a
     shard table on a store, fetched once per node and mapped by every rank, worker and Ray
-    actor of the node. None: ``cache_dir/node``, else ``wdsvlm-<uid>`` in the temporary
-    folder (a ``read_policy``'s ``node_dir``, where given, wins). The copies of the shards'
-    sidecars on a store go there too."""
+    actor of the node. None: the folder ``$WDSVLM_LOCAL_DIR`` names, else ``cache_dir/node``,
+    else ``wdsvlm-<uid>`` in the temporary folder (a ``read_policy``'s ``node_dir``, where
+    given, wins). The copies of the shards' sidecars on a store go there too."""
     local_bytes: int = LOCAL_BYTES
     """Bytes the node's copies of sidecars may take in ``local_dir`` (the least recently used
     removed first; 0: none kept, each process reads them from the store). A

@@ -34,10 +34,11 @@ import fcntl
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections import deque
+
+from .folders import node_folder
 
 log = logging.getLogger("wdsvlm.storage")
 
@@ -205,12 +206,6 @@ def _forget_governors() -> None:  # a forked child opens its own file and lock
 os.register_at_fork(after_in_child=_forget_governors)
 
 
-def default_folder() -> str:
-    """The node folder where ``ReadPolicy.node_dir`` is None: ``storage.node.node_folder()``'s
-    (not imported from there: storage.node reads through this module)."""
-    return os.path.join(tempfile.gettempdir(), f"wdsvlm-{os.getuid()}")
-
-
 def governor_of(node_dir: str | None) -> Governor:
     """This process's ``Governor`` of the node folder ``node_dir`` (None: the default one)."""
     key = node_dir or ""
@@ -218,7 +213,7 @@ def governor_of(node_dir: str | None) -> Governor:
     if found is None:
         with _GOVERNORS_LOCK:
             if key not in _GOVERNORS:
-                _GOVERNORS[key] = Governor(node_dir or default_folder())
+                _GOVERNORS[key] = Governor(node_dir or node_folder(make=False))
             found = _GOVERNORS[key]
     return found
 

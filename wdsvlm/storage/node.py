@@ -51,24 +51,6 @@ UNUSED_DAYS = 7
 is written."""
 
 
-def node_folder(
-    local_dir: str | None = None, cache_dir: str | None = None, make: bool = True
-) -> str:
-    """The node-local folder shared by the node's processes: ``local_dir`` if given, else
-    ``cache_dir/node``, else ``wdsvlm-<uid>`` in the system's temporary folder. Made if
-    missing (``make=False``: only named, made by what first writes there). Jobs that share a
-    node share it: what goes there is named by its content (a table by its digest) or keyed
-    by the store, so they help rather than clash."""
-    if local_dir is None:
-        if cache_dir is not None:
-            local_dir = os.path.join(cache_dir, "node")
-        else:
-            local_dir = os.path.join(tempfile.gettempdir(), f"wdsvlm-{os.getuid()}")
-    if make:
-        os.makedirs(local_dir, exist_ok=True)
-    return local_dir
-
-
 def node_copy(
     url: str,
     sha256: str,

@@ -49,7 +49,7 @@ class ReadPolicy:
     node_dir: str | None = None
     """A node-local folder for what the node's processes share (the shard table's copy, the
     request budget); None: the Loader's ``local_dir``, else the cache folder, else a
-    temporary folder (``storage.node.node_folder``)."""
+    temporary folder (``storage.folders.node_folder``)."""
     node_bytes: int | None = None
     """Bytes the copies of the shards' sidecars may take in ``node_dir`` (the least recently
     used removed first; 0: none kept, each process reads them from the store); None: the
