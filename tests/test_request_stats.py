@@ -18,19 +18,11 @@ from wdsvlm.storage.fs import RequestCounts
 from wdsvlm.testing.stores import range_server
 
 from .conftest import EXAMPLE, write_jsonl
+from .test_ddp import SETTINGS as DDP_SETTINGS
 
 TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
-SETTINGS = {
-    "max_length": 256,
-    "batch_size": 2,
-    "tile_size": 32,
-    "max_image_side": 64,
-    "tokens_per_tile": 4,
-    "shuffle_buffer": 12,
-    "pack_window": 10,
-    "seed": 3,
-    "read_ahead": 0,  # no read runs past the epoch's last batch: the figures are exact
-}
+# no read runs past the epoch's last batch: the figures are exact
+SETTINGS = {**DDP_SETTINGS, "read_ahead": 0}
 
 
 def write(folder: str, name: str, samples: int, per_shard: int) -> str:
