@@ -126,39 +126,82 @@ def test_throttle_retries_do_not_use_up_the_fault_attempts(blob, tmp_path):
     assert counts.requests == 32 + counts.throttled
 
 
-def test_a_request_throttled_past_throttle_wait_fails_naming_url_byte_and_time(blob, tmp_path):
+def test_a_request_throttled_past_throttle_wait_fails_within_it_naming_url_byte_and_time(
+    blob, tmp_path
+):
     folder, _ = blob
     policy = ReadPolicy(throttle_wait=2.5, node_dir=str(tmp_path / "node"))
     with range_server(folder, throttle=Throttle(0, "hub", retry_after=1)) as server:
         started = time.monotonic()
-        with pytest.raises(StorageError, match=r"/blob: throttled for [1-3] s at byte 4096 "):
+        with pytest.raises(
+            StorageError, match=r"/blob: throttled for ([\d.]+) s at byte 4096 "
+        ) as e:
             read_range(f"{server.url}/blob", 4096, 8192, policy=policy)
-    assert time.monotonic() - started < 6
+    # the node's pacing counts in throttle_wait: no turn taken past it
+    assert float(e.value.args[0].split("throttled for ")[1].split()[0]) <= 2.5
+    assert time.monotonic() - started < 2.5 + 0.4
+
+
+def _paced(node: governor.Governor, store: str, seconds: float, every: float = 0.0) -> float:
+    """Requests to ``store`` in their turns (at least ``every`` s apart) for ``seconds``: the
+    store's rate after them."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        time.sleep(max(every, node.turn(store, None)))
+    return node.rate(store)
 
 
 def test_the_rate_is_halved_on_throttling_and_grows_back(tmp_path):
     node = governor.Governor(str(tmp_path))
     store = "http://127.0.0.1:1"
-
-    def paced(seconds: float) -> float:
-        until = time.monotonic() + seconds
-        while time.monotonic() < until:
-            time.sleep(node.turn(store, None))
-        return node.rate(store)
-
     assert all(node.turn(store, None) == 0 for _ in range(40))  # ungoverned: at once
     node.throttled(store)
     assert node.rate(store) == 20  # half the 40 requests of the last second
     node.throttled(store)
     assert node.rate(store) == 20  # the answers to requests already sent: no second cut
-    found = paced(2.3)  # the node's limit unknown: half as much again each second
+    found = _paced(node, store, 2.3)  # the node's limit unknown: half as much again each second
     assert found in (30, 45, 67.5)
-    node.throttled(store)  # the limit found: halved, and remembered as the ceiling
-    assert node.rate(store) == found / 2
-    grown = paced(2.3)
-    assert found / 2 < grown <= 0.9 * found  # back toward 0.9 x the rate that was throttled
+    node.throttled(store)  # the limit found: back to the last rate taken, the ceiling remembered
+    assert node.rate(store) == pytest.approx(found / 1.5)
+    time.sleep(governor.WINDOW)
+    grown = _paced(node, store, 2.3)
+    assert found / 1.5 < grown <= 0.9 * found  # back toward 0.9 x the rate that was throttled
     node.throttled(store)  # below the ceiling: bunched requests, a quarter off
     assert node.rate(store) == 0.75 * grown
+
+
+def test_a_probe_that_finds_the_limit_goes_back_a_tenth_under_the_last_rate_taken(tmp_path):
+    node = governor.Governor(str(tmp_path))
+    store = "http://127.0.0.1:1"
+    for _ in range(40):
+        node.turn(store, None)
+    node.throttled(store)  # 20/s, then x1.5 a second until the second throttle
+    found = _paced(node, store, 1.2)
+    node.throttled(store)  # ceiling: the rate throttled
+    time.sleep(governor.WINDOW)
+    rates, until = [node.rate(store)], time.monotonic() + 15
+    while rates[-1] < found and time.monotonic() < until:  # 0.9 x ceiling, held, then probing
+        rate = _paced(node, store, 0.5)
+        if rate != rates[-1]:
+            rates.append(rate)
+    assert rates[-1] >= found, "the rate did not probe above the ceiling"
+    node.throttled(store)
+    # 0.9 x the probe's rate before its last step (was: half the rate throttled)
+    assert node.rate(store) == pytest.approx(0.9 * rates[-2])
+
+
+def test_the_rate_does_not_grow_while_the_node_sends_well_under_it(tmp_path):
+    node = governor.Governor(str(tmp_path))
+    store = "http://127.0.0.1:1"
+    for _ in range(40):
+        node.turn(store, None)
+    node.throttled(store)  # 20/s, then x1.5 a second until the second throttle
+    _paced(node, store, 1.2)
+    node.throttled(store)  # the limit found
+    time.sleep(governor.WINDOW)
+    rate = node.rate(store)
+    # 0.65 of the rate allowed (the readers' own pace) for 3 s
+    assert _paced(node, store, 3.2, every=1 / (0.65 * rate)) == rate  # was: grown
 
 
 def _read_in_turn(url: str, node_dir: str, cap: float) -> None:

@@ -7,13 +7,17 @@ of the node's budget file, to learn whether another process of the node was thro
 - **Throttled** (``retry.is_throttling``: 429, 503 SlowDown, ...): the store's rate is
   governed from then on, for every process of the node, AIMD-style. The first throttling sets
   it to half of what this process was sending (the node's rate is not known: it then grows
-  by half each second until the next throttling); each later one at or above the store's
-  ceiling (the rate throttled last) halves it and makes it the ceiling; one below the ceiling
-  (requests bunched by a busy CPU) takes a quarter off, and a tenth off the ceiling. At most
-  one cut a second, and none before the requests booked at the old rate have gone out: their
-  answers say nothing new. Each second of requests without throttling adds some back:
+  by half each second until the next throttling, which makes the rate throttled the store's
+  ceiling and goes back to the last rate the store took, 1/1.5 of it). Later, a throttling
+  at or above the ceiling (a probe that found the limit) makes the last rate the store took
+  (one step less) the ceiling, and the rate 0.9 x that; one below it (the limit fell, or
+  requests bunched by a busy CPU) takes a quarter off, and a tenth off the ceiling. No cut
+  before the requests booked at the old rate have gone out, and a second more: their answers
+  (and those of the second the store still counts them in) say nothing new. Each second in
+  which the node sent at least ``USED`` of its rate without throttling adds some back:
   half-way to 0.9 x the ceiling (at least a fifth of it), then, after a few seconds there, a
-  step that doubles each second, probing whether the store now allows more.
+  step that doubles each second (2% to 10% of the ceiling), probing whether the store now
+  allows more.
 - **Capped** (``ReadPolicy.requests_per_second``): the node's requests to all stores together
   are spaced ``1 / cap`` seconds apart.
 
@@ -50,6 +54,9 @@ FORGET = 60.0
 MIN_RATE = 0.5
 HOLD = 3
 """Windows spent at 0.9 x the ceiling before probing above it."""
+USED = 0.8
+"""The share of a window's rate the node must have sent for the rate to grow, once the
+store's limit is found (before: half, so that a slow start does not hold the climb back)."""
 LOOK = 0.1
 """Seconds between two looks of an ungoverned process at the node's budget file."""
 
@@ -145,7 +152,10 @@ def _take(state: dict, store: str, cap: float | None, now: float) -> float:
         entry["sent"] += 1
         elapsed = now - entry["changed"]
         if elapsed >= WINDOW:
-            if entry["sent"] >= 0.5 * entry["rate"] * elapsed:  # the window used its rate
+            # above the limit found, grown only where the node used its rate: a rate its
+            # readers do not reach says nothing of the limit, and lets the next burst through
+            used = USED if entry["ceiling"] is not None else 0.5
+            if entry["sent"] >= used * entry["rate"] * elapsed:
                 _grow(entry)
             entry["changed"], entry["sent"] = now, 0
     return at - now
@@ -163,33 +173,37 @@ def _grow(entry: dict) -> None:
     elif entry["held"] < HOLD:
         entry["held"] += 1
     else:
-        entry["step"] = max(MIN_RATE, 0.02 * entry["ceiling"], 2 * entry["step"])
+        ceiling = entry["ceiling"]  # a step that doubles, from 2% to at most 10% of it
+        entry["step"] = min(max(MIN_RATE, 0.02 * ceiling, 2 * entry["step"]), 0.1 * ceiling)
         entry["rate"] += entry["step"]
 
 
 def _cut(state: dict, store: str, sending: float, now: float) -> None:
     entry = state["stores"].get(store)
     if entry is None:  # what this process sent, not the node: no ceiling yet
-        entry = state["stores"][store] = {"rate": sending, "next": now, "cut": 0.0}
+        entry = state["stores"][store] = {"rate": sending, "next": now, "booked": 0.0}
         entry["ceiling"] = None
     entry.update(seen=now, changed=now, sent=0)
-    if now < entry["cut"] + WINDOW or now < entry.get("booked", 0.0):
-        return  # already lowered: the answers to requests sent or booked before say nothing new
-    log.info("%s throttles: %.1f requests/s on this node, now %.1f", store, *_halve(entry))
-    entry["cut"], entry["booked"] = now, entry["next"]
+    if now < entry["booked"] + WINDOW:
+        # already lowered: the answers to requests booked at the old rate, and those the
+        # store still counts against the second they went out in, say nothing new
+        return
+    log.info("%s throttles: %.1f requests/s on this node, now %.1f", store, *_lower(entry))
+    entry["booked"] = max(now, entry["next"])
 
 
-def _halve(entry: dict) -> tuple[float, float]:
+def _lower(entry: dict) -> tuple[float, float]:
     before, ceiling = entry["rate"], entry.get("ceiling")
     if ceiling is None and "held" not in entry:  # the first cut: this process's rate halved
-        entry.update(rate=max(MIN_RATE, before / 2))
-    elif ceiling is not None and before < ceiling:
-        # below the rate throttled last (requests bunched by a busy CPU, a process that had
-        # not yet learned the rate): a quarter off, and the ceiling a tenth lower
-        entry.update(ceiling=0.9 * ceiling, rate=max(MIN_RATE, 0.75 * before))
-    else:  # the store's limit found again, or a first one
-        entry.update(ceiling=before, rate=max(MIN_RATE, before / 2))
-    entry.update(held=0, step=0.0)
+        entry.update(rate=before / 2)
+    elif ceiling is None:  # the end of the climb: the store's limit found, below this rate;
+        entry.update(ceiling=before, rate=before / 1.5)  # back to the last rate it took
+    elif before >= ceiling:  # a probe found the limit: the last rate it took is the ceiling
+        entry.update(ceiling=before - entry["step"], rate=0.9 * (before - entry["step"]))
+    else:  # below the ceiling (the limit fell, or requests bunched by a busy CPU): a
+        # quarter off, and the ceiling a tenth lower
+        entry.update(ceiling=0.9 * ceiling, rate=0.75 * before)
+    entry.update(rate=max(MIN_RATE, entry["rate"]), held=0, step=0.0)
     return before, entry["rate"]
 
 
@@ -219,16 +233,24 @@ def governor_of(node_dir: str | None) -> Governor:
 
 
 def turn(
-    url: str, node_dir: str | None, cap: float | None, cancel: threading.Event | None = None
-) -> None:
+    url: str,
+    node_dir: str | None,
+    cap: float | None,
+    cancel: threading.Event | None = None,
+    most: float | None = None,
+) -> bool:
     """Wait for the turn of a request to ``url`` in the budget of the node folder of
-    ``node_dir`` with at most ``cap`` requests a second (at once when nothing is governed)."""
+    ``node_dir`` with at most ``cap`` requests a second (at once when nothing is governed);
+    False, at once, where the turn is more than ``most`` seconds away."""
     wait = governor_of(node_dir).turn(store_of(url), cap)
+    if most is not None and wait > most:
+        return False
     if wait > 0:
         if cancel is not None:
             cancel.wait(wait)
         else:
             time.sleep(wait)
+    return True
 
 
 def throttled(url: str, node_dir: str | None) -> None:

@@ -255,6 +255,14 @@ def _pause(seconds: float, cancel: threading.Event | None) -> None:
         time.sleep(seconds)
 
 
+def _throttled_too_long(url, at, since, throttles, policy, cause, error=None):
+    raise StorageError(
+        f"{url}: throttled for {time.monotonic() - since:.1f} s at byte {at} "
+        f"({throttles} answers; throttle_wait={policy.throttle_wait:g} s); "
+        f"last: {cause}; lower requests_per_second or the number of readers"
+    ) from error
+
+
 def retrying(
     url: str,
     at: int,
@@ -271,10 +279,14 @@ def retrying(
     other exception (a bug) is raised as it is, at once."""
     failures = throttles = 0
     throttled_since = 0.0
+    cause = ""
     while True:
         if cancel is not None and cancel.is_set():
             raise StorageError(f"{url}: read cancelled at byte {at}")
-        governor.turn(url, policy.node_dir, policy.requests_per_second, cancel)
+        # a throttled request waits for its turn within what is left of throttle_wait
+        left = policy.throttle_wait - (time.monotonic() - throttled_since) if throttles else None
+        if not governor.turn(url, policy.node_dir, policy.requests_per_second, cancel, left):
+            _throttled_too_long(url, at, throttled_since, throttles, policy, cause)
         if counts is not None:
             counts.add(requests=1)
         try:
@@ -293,11 +305,7 @@ def retrying(
                 asked = retry_after(e)
                 wait = max(wait, asked or 0.0)  # never sooner than the store asks
                 if now - throttled_since + wait > policy.throttle_wait:
-                    raise StorageError(
-                        f"{url}: throttled for {now - throttled_since:.0f} s at byte {at} "
-                        f"({throttles} answers; throttle_wait={policy.throttle_wait:g} s); "
-                        f"last: {cause}; lower requests_per_second or the number of readers"
-                    ) from e
+                    _throttled_too_long(url, at, throttled_since, throttles, policy, cause, e)
                 log.info("%s: throttled at byte %d, again in %.2f s (%s)", url, at, wait, cause)
                 _pause(wait, cancel)
                 continue
