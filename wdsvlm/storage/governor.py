@@ -55,8 +55,7 @@ MIN_RATE = 0.5
 HOLD = 3
 """Windows spent at 0.9 x the ceiling before probing above it."""
 USED = 0.8
-"""The share of a window's rate the node must have sent for the rate to grow, once the
-store's limit is found (before: half, so that a slow start does not hold the climb back)."""
+"""The share of a window's rate the node must have sent for the rate to grow."""
 LOOK = 0.1
 """Seconds between two looks of an ungoverned process at the node's budget file."""
 
@@ -152,10 +151,9 @@ def _take(state: dict, store: str, cap: float | None, now: float) -> float:
         entry["sent"] += 1
         elapsed = now - entry["changed"]
         if elapsed >= WINDOW:
-            # above the limit found, grown only where the node used its rate: a rate its
-            # readers do not reach says nothing of the limit, and lets the next burst through
-            used = USED if entry["ceiling"] is not None else 0.5
-            if entry["sent"] >= used * entry["rate"] * elapsed:
+            # grown only where the node used its rate: a rate its readers do not reach says
+            # nothing of the store's limit, and grown unused it lets the next burst through
+            if entry["sent"] >= USED * entry["rate"] * elapsed:
                 _grow(entry)
             entry["changed"], entry["sent"] = now, 0
     return at - now
