@@ -239,6 +239,13 @@ def test_the_budget_lies_in_the_node_folder_the_table_copy_uses_by_default():
     assert governor.governor_of(None).path == os.path.join(node_folder(), governor.FILE)
 
 
+def test_the_default_budget_follows_wdsvlm_local_dir(tmp_path, monkeypatch):
+    first = governor.governor_of(None)
+    monkeypatch.setenv("WDSVLM_LOCAL_DIR", str(tmp_path / "other"))
+    assert governor.governor_of(None).path == str(tmp_path / "other" / governor.FILE)
+    assert governor.governor_of(None) is not first
+
+
 def test_the_stagger_spreads_a_large_jobs_ranks_and_leaves_small_jobs_alone():
     assert {governor.start_delay(rank, 64) for rank in range(64)} == {0.0}
     delays = [governor.start_delay(rank, 1024) for rank in range(1024)]

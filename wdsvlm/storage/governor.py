@@ -219,13 +219,14 @@ os.register_at_fork(after_in_child=_forget_governors)
 
 
 def governor_of(node_dir: str | None) -> Governor:
-    """This process's ``Governor`` of the node folder ``node_dir`` (None: the default one)."""
-    key = node_dir or ""
+    """This process's ``Governor`` of the node folder ``node_dir`` (None: the default one,
+    looked up each time: ``$WDSVLM_LOCAL_DIR`` may name another)."""
+    key = node_dir or node_folder(make=False)
     found = _GOVERNORS.get(key)
     if found is None:
         with _GOVERNORS_LOCK:
             if key not in _GOVERNORS:
-                _GOVERNORS[key] = Governor(node_dir or node_folder(make=False))
+                _GOVERNORS[key] = Governor(key)
             found = _GOVERNORS[key]
     return found
 
