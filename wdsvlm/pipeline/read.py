@@ -95,18 +95,19 @@ class ReadSamples:
         self,
         span: dict,
         cancel: threading.Event | None,
-        missing: set | None,
+        missing: dict | None,
         counts: RequestCounts,
     ) -> bytes | StorageError:
         """The span's bytes, or the ``StorageError`` of its read, its requests added to
-        ``counts``. ``missing``: the ``(url, pass)`` of the shards found missing so far (by
-        any reader thread): not asked for again in that pass, since every read of them fails
-        alike."""
+        ``counts``. ``missing``: the error of each ``(url, pass)`` of the shards found missing
+        so far (by any reader thread): not asked for again in that pass, since every read of
+        them fails alike; a span of one gets the error its first read got, whichever reader
+        thread found it."""
         if "failed" in span:  # nothing to read: the plan could not list its samples
             return b""
         found = (span["url"], span.get("pass"))
         if missing is not None and found in missing:
-            return ObjectNotFoundError(f"{span['url']}: missing (found so earlier in this pass)")
+            return missing[found]
         options = span.get("storage_options")  # a mixture's source may have its own
         options = self.storage_options if options is None else options
         try:
@@ -126,7 +127,7 @@ class ReadSamples:
             )
         except StorageError as e:
             if isinstance(e, ObjectNotFoundError) and missing is not None:
-                missing.add(found)
+                missing.setdefault(found, e)
             return e
 
     def _planned(self, spans: Iterator[dict], sidecars: dict) -> Iterator[dict]:
@@ -169,7 +170,7 @@ class ReadSamples:
     def _fetched(self, spans: Iterator[dict]) -> Iterator[tuple[dict, bytes | StorageError]]:
         """``(span, its bytes or the error)`` in order, up to ``read_ahead`` read at once by
         reader threads, the plan walked by a background thread."""
-        missing: set[tuple] = set()  # (url, pass) of shards the store does not have
+        missing: dict[tuple, StorageError] = {}  # (url, pass) of shards the store lacks
         sidecars: dict[int, dict] = {}
         spans = self._planned(spans, sidecars)
         if not self.read_ahead:
