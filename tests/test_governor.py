@@ -151,6 +151,20 @@ def _paced(node: governor.Governor, store: str, seconds: float, every: float = 0
     return node.rate(store)
 
 
+def _limit_found(tmp_path) -> tuple[governor.Governor, str, float]:
+    """A node that sent 40 requests at once, was throttled (20/s, then x1.5 a second), and
+    throttled again: the limit found. The node, its store and the rate throttled the second
+    time."""
+    node = governor.Governor(str(tmp_path))
+    store = "http://127.0.0.1:1"
+    for _ in range(40):
+        node.turn(store, None)
+    node.throttled(store)
+    found = _paced(node, store, 1.2)
+    node.throttled(store)
+    return node, store, found
+
+
 def test_the_rate_is_halved_on_throttling_and_grows_back(tmp_path):
     node = governor.Governor(str(tmp_path))
     store = "http://127.0.0.1:1"
@@ -171,13 +185,7 @@ def test_the_rate_is_halved_on_throttling_and_grows_back(tmp_path):
 
 
 def test_a_probe_that_finds_the_limit_goes_back_a_tenth_under_the_last_rate_taken(tmp_path):
-    node = governor.Governor(str(tmp_path))
-    store = "http://127.0.0.1:1"
-    for _ in range(40):
-        node.turn(store, None)
-    node.throttled(store)  # 20/s, then x1.5 a second until the second throttle
-    found = _paced(node, store, 1.2)
-    node.throttled(store)  # ceiling: the rate throttled
+    node, store, found = _limit_found(tmp_path)
     time.sleep(governor.WINDOW)
     rates, until = [node.rate(store)], time.monotonic() + 15
     while rates[-1] < found and time.monotonic() < until:  # 0.9 x ceiling, held, then probing
@@ -191,13 +199,7 @@ def test_a_probe_that_finds_the_limit_goes_back_a_tenth_under_the_last_rate_take
 
 
 def test_the_rate_does_not_grow_while_the_node_sends_well_under_it(tmp_path):
-    node = governor.Governor(str(tmp_path))
-    store = "http://127.0.0.1:1"
-    for _ in range(40):
-        node.turn(store, None)
-    node.throttled(store)  # 20/s, then x1.5 a second until the second throttle
-    _paced(node, store, 1.2)
-    node.throttled(store)  # the limit found
+    node, store, _ = _limit_found(tmp_path)
     time.sleep(governor.WINDOW)
     rate = node.rate(store)
     # 0.65 of the rate allowed (the readers' own pace) for 3 s
