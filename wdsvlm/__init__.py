@@ -1,8 +1,8 @@
 """wdsvlm: WebDataset shards in, dense packed batches out, for vision-language-model training.
 
 Here is what a training script uses: the writer (``write_dataset``, ``index_tars``), the
-dataset's index (``load_index``, ``verify_dataset``), the ``Loader``, its settings and
-``RayWorkers`` (its workers on a Ray cluster), what a
+dataset's index (``load_index``, ``verify_dataset``), the ``Loader``, its settings,
+``Telemetry`` (what it measures) and ``RayWorkers`` (its workers on a Ray cluster), what a
 training step calls on a batch (``model_inputs``, ``block_causal_mask``) and the errors worth
 catching. The pipeline stages are in ``wdsvlm.pipeline``, the model families in
 ``wdsvlm.families``, every error in ``wdsvlm.errors``. Names are imported on first use: the
@@ -30,6 +30,7 @@ _HOMES = {
     "Loader": ".loader.loader",
     "LoaderSettings": ".loader.settings",
     "RayWorkers": ".loader.placement",
+    "Telemetry": ".loader.telemetry",
     "Source": ".pipeline.sources",
     "ReadPolicy": ".storage.fs",
     "model_inputs": ".families.inputs",

@@ -28,6 +28,7 @@ from .resume import resume_point, topology_of
 from .settings import settings_from, signature_with_settings
 from .state import LoaderState, WorkerState
 from .stream import STATE_KEY, STATS_KEY
+from .telemetry import DataMeter, telemetry_of
 from .workers import check_main_guarded
 
 log = logging.getLogger("wdsvlm.loader")
@@ -89,6 +90,7 @@ class Loader:
         self._config = parts.config
         self._worker_stats: dict = {}
         self._yielded = Yielded()
+        self._meter = DataMeter(telemetry_of(self.settings.telemetry), self.settings.num_workers)
         self._dataloader = None
         self._ray: Iterator[dict] | None = None  # the running Ray workers' batches
         self._running: weakref.ref | None = None  # the epoch's generator being iterated
@@ -233,6 +235,7 @@ class Loader:
                 state = batch.pop(STATE_KEY)
                 self._states[state["slot"]] = state["state"]  # a WorkerState
                 report = batch.pop(STATS_KEY)
+                self._meter.arrived(report)
                 self._worker_stats[report.pop("slot")] = report
                 self._done += 1
                 self._yielded.count(batch)
@@ -395,6 +398,12 @@ class Loader:
         ``"SHARD/KEY"`` per reason and worker) in what the workers read this epoch; and per
         source, ``"requests"``: its reads' requests, bytes, throttled answers and retries."""
         return epoch_stats(self._yielded, self._worker_stats, self.settings.max_length)
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """Figures for the logs, names under ``data/``, since the last reset (``reset``: start
+        the next interval now): the steps' waits for data, samples and tokens per second, and
+        the workers' seconds per stage, requests and skips (docs/monitoring.md)."""
+        return self._meter.metrics(reset)
 
 
 Loader.__init__.__signature__ = signature_with_settings(Loader.__init__)

@@ -24,6 +24,7 @@ from ..pipeline.token_weights import check_weight_by
 from ..storage.fs import ReadPolicy
 from ..storage.node import LOCAL_BYTES
 from .placement import LOCAL, check_workers
+from .telemetry import telemetry_of
 from .workers import check_context
 
 log = logging.getLogger("wdsvlm.settings")
@@ -158,8 +159,12 @@ class LoaderSettings:
     rank: int | None = None
     """This process's rank; None: from torch.distributed or torchrun's environment."""
     world_size: int | None = None
+    telemetry: Any = field(default=True, hash=False, compare=False)
+    """``True``, ``False`` or ``wdsvlm.Telemetry(...)``: data-wait time and each stage's
+    seconds for ``metrics()``, advice when steps wait, hangs named, a trace."""
 
     def __post_init__(self):
+        telemetry_of(self.telemetry)  # checked now
         positive = [
             "max_length",
             "batch_size",
