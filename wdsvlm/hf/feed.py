@@ -23,7 +23,8 @@ class LoaderFeed:
 
     A batch of a processor's family goes through ``wdsvlm.model_inputs`` (pixels normalised on
     ``device``); a batch of the default tiling gives the model the fields its ``forward``
-    names (``TILING_FIELDS`` if it takes ``**kwargs``), uint8 pixels as they are.
+    names (``TILING_FIELDS`` if it takes ``**kwargs``), uint8 pixels as they are. Either is
+    timed as the Loader's work in the training process (``data/loader_s``), not the model's.
     """
 
     def __init__(self, loader: Any, device: Any, model: Any):
@@ -42,9 +43,11 @@ class LoaderFeed:
             yield self.inputs(batch)
 
     def inputs(self, batch: dict) -> dict:
-        if self.fields is None:
-            return model_inputs(batch, device=self.device)
-        return {k: batch[k] for k in self.fields if k in batch}
+        # the Loader's work in the training process, not the model's: its figures count it so
+        with self.loader._meter.work():
+            if self.fields is None:
+                return model_inputs(batch, device=self.device)
+            return {k: batch[k] for k in self.fields if k in batch}
 
     def check_position(self, epoch: int, batches: int) -> LoaderFeed:
         """The Trainer resumes at batch ``batches`` of ``epoch``: the Loader, restored from the

@@ -12,6 +12,8 @@ What changes against the stock Trainer, and why:
 - evaluation: an ``eval_dataset`` that is a Loader made with ``evaluation=True`` is evaluated
   by ``evaluation.trainer_evaluate``: the loss over every supervised token of every rank, per
   source of a mixture, the training Loader untouched;
+- logs: each training log (every ``logging_steps``) carries the Loader's figures since the
+  previous one (``Loader.metrics()``, names under ``data/``), to every ``report_to``;
 - checkpoints: every rank's Loader state is saved in each checkpoint folder and restored by
   ``train(resume_from_checkpoint=...)``; the Trainer then skips no batches (the Loader stands
   where the checkpoint left it) and the model's weights are read back under their current names.
@@ -100,6 +102,15 @@ class LoaderTrainerMixin:
             self._feed = LoaderFeed(self.loader, self.args.device, self.model)
         return self._feed
 
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """A training log (the one with ``loss``, every ``logging_steps``) gets the Loader's
+        figures since the previous one (``Loader.metrics()``: names under ``data/``), so that
+        ``report_to`` (TensorBoard, W&B ...) and the console get them with the loss; the
+        evaluation's and the run's closing logs are left as they are."""
+        if "loss" in logs:
+            logs = {**logs, **self.loader.metrics(reset=True)}
+        super().log(logs, *args, **kwargs)
+
     def _get_num_items_in_batch(self, batch_samples: list, device: Any) -> Any:
         """The supervised tokens (labels other than -100, after the shift) of the step's
         batches on every rank: what the loss is divided by."""
@@ -146,6 +157,7 @@ class LoaderTrainerMixin:
                 f"{self.loader.epoch}, and train() without resume_from_checkpoint starts at step "
                 "0 of epoch 0: give the Trainer a new Loader, or resume from a checkpoint"
             )
+        self.loader.metrics(reset=True)  # the first log's figures: this run's steps only
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
