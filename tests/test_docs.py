@@ -132,7 +132,7 @@ def command_help(command: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "command", ["write", "verify", "index", "inspect", "stats", "bench", "plan-cloud"]
+    "command", ["write", "verify", "index", "inspect", "stats", "bench", "plan-cloud", "trace"]
 )
 def test_cli_page_documents_every_option(command):
     # `write`'s options are in the table of docs/writing.md; every command is on docs/cli.md

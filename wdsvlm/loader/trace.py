@@ -44,6 +44,7 @@ class TraceWriter:
         self.done = 0  # consumer steps recorded
         self.written = False
         self._pid = os.getpid()
+        self._consumer_end = float("-inf")  # where the training process's last stretch ended
         # (lane, name, start, end, step); a lane is ("worker", slot, pid) or ("training",)
         self._spans: list[tuple[tuple, str, float, float, int]] = []
 
@@ -58,8 +59,13 @@ class TraceWriter:
         """A stretch of the training process: ``"wait"`` (in ``next(loader)`` for a batch),
         ``"loader"`` (the Loader's own work there) or ``"step"`` (the model's, between
         batches)."""
-        if not self.written:
-            self._spans.append(((TRAINING,), name, float(start), float(end), self.done))
+        if self.written:
+            return
+        # one after another on one lane: a stretch read from clocks taken apart never
+        # overlaps the one before (the viewers would take it for a nested one)
+        start = max(float(start), self._consumer_end)
+        self._consumer_end = end = max(start, float(end))
+        self._spans.append(((TRAINING,), name, start, end, self.done))
 
     def step(self) -> bool:
         """One consumer step done; False once ``steps`` are recorded and the file is written

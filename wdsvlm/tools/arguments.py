@@ -3,32 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-import re
 
 from ..version import __version__
-
-_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def byte_size(text: str) -> int:
-    """``"256MB"``, ``"1GiB"``, ``"500k"`` or a plain number of bytes (binary units)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(
-            f"not a byte size: {text!r} (examples: 500000, 64MB, 1GiB)"
-        )
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
-
-
-def json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object, like '{\"anon\": true}'")
-    return value
+from .values import byte_size, json_object, positive
 
 
 def index_version(parser: argparse.ArgumentParser) -> None:
@@ -347,10 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Loader throughput beside a naive webdataset pipeline, in one run",
         description="Time wdsvlm.Loader and a naive webdataset pipeline doing the same work "
         "(full decode, tokenize per sample, pad to the longest), one after the other, with "
-        "the same DataLoader workers; print rates and their ratios. With --processor, both "
-        "feed that model family: the naive side calls the Hugging Face processor per sample "
-        "and pads its output (float32 pixels), the Loader packs uint8 units that "
-        "wdsvlm.model_inputs normalises (counted in its time).",
+        "the same DataLoader workers; print rates and their ratios, the share of the "
+        "Loader's worker time each stage took and advice when its steps waited. With "
+        "--processor, both feed that model family: the naive side calls the Hugging Face "
+        "processor per sample and pads its output (float32 pixels), the Loader packs uint8 "
+        "units that wdsvlm.model_inputs normalises (counted in its time).",
     )
     bench.add_argument("source", metavar="SOURCE", help="dataset folder or URL")
     bench.add_argument(
@@ -377,20 +355,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --processor: time wdsvlm's batches without model_inputs (on a GPU the "
         "normalisation is the device's; here it would take the CPU from the workers)",
     )
+    bench.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="write the Loader's first --trace-steps steps as a Chrome/Perfetto trace here: "
+        "each worker's stages and the training process's waits (open it in ui.perfetto.dev "
+        "or chrome://tracing, or draw it with wdsvlm trace)",
+    )
+    bench.add_argument(
+        "--trace-steps",
+        type=positive,
+        default=200,
+        metavar="N",
+        help="steps the trace holds (default 200)",
+    )
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
     pipeline_options(bench)
     common_options(bench)
     return parser
-
-
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
 
 
 def pipeline_options(parser: argparse.ArgumentParser) -> None:

@@ -66,12 +66,15 @@ def run_bench(
     tokens_per_tile: int = 64,
     storage_options: Mapping[str, Any] | None = None,
     show_progress: bool = True,
+    telemetry: Any = True,
 ) -> dict:
     """Throughput of the naive pipeline over one pass of ``source``, then of ``wdsvlm.Loader``
     over one epoch (``len(loader)`` batches: about a pass), or each until ``limit`` samples,
     with ``workers`` DataLoader workers each (the naive pipeline splits whole shards, so it
     gets at most one worker per shard). The ratios are wdsvlm over naive (None where the naive
-    side gave nothing). Times to the first batch include starting the workers."""
+    side gave nothing). Times to the first batch include starting the workers. ``telemetry``:
+    the Loader's setting (``wdsvlm.Telemetry(trace=...)`` writes a trace); the result's
+    ``telemetry`` is what it measured (``diagnosis``)."""
     from ..loader.loader import Loader
 
     config = image_config or ImageConfig()
@@ -89,6 +92,7 @@ def run_bench(
             upscale=config.upscale,
             tokens_per_tile=tokens_per_tile,
             storage_options=storage_options,
+            telemetry=telemetry,
         )
 
     return side_by_side(
@@ -127,8 +131,9 @@ def side_by_side(
     (batches, in a DataLoader with ``workers`` workers, at most one a shard), then the Loader
     that ``make_loader()`` makes (timed from before it is made: its set-up counts;
     ``each(batch)`` is called on every batch inside the timing): the ``source``, its
-    ``settings`` (the caller's, with the workers and the limit), ``naive``, ``wdsvlm`` and
-    their ``ratios`` (wdsvlm over naive, None where the naive side gave nothing)."""
+    ``settings`` (the caller's, with the workers and the limit), ``naive``, ``wdsvlm``,
+    their ``ratios`` (wdsvlm over naive, None where the naive side gave nothing) and the
+    Loader's ``telemetry`` (``diagnosis``)."""
     from torch.utils.data import DataLoader
 
     from ..pipeline.sources import resolve_source
@@ -149,6 +154,7 @@ def side_by_side(
         loader = make_loader()
         try:
             results["wdsvlm"] = timed(loader, limit, bar, started, each)
+            metrics = loader.metrics()
         finally:
             loader.close()
     naive, ours = results["naive"], results["wdsvlm"]
@@ -176,7 +182,44 @@ def side_by_side(
                 "first_batch_s",
             )
         },
+        "telemetry": diagnosis(metrics, workers),
     }
+
+
+def diagnosis(metrics: Mapping[str, float], workers: int) -> dict:
+    """What a Loader's ``metrics()`` say of where its time went: the share of the time spent
+    waiting for batches, each stage's share of the workers' seconds (largest first), the
+    advice of ``loader.advice.diagnose`` for the stage that dominates (judged on the shares
+    alone: a bench has no model step to wait against) and the metrics themselves."""
+    from ..loader.advice import diagnose, stage_shares
+    from ..pipeline.timing import STAGES
+
+    return {
+        "wait_fraction": metrics.get("data/wait_fraction"),
+        "worker_seconds": sum(metrics.get(f"data/{stage}_s", 0.0) for stage in STAGES),
+        "stage_shares": stage_shares(metrics),
+        "advice": diagnose(metrics, workers, None) if metrics else None,
+        "metrics": dict(metrics),
+    }
+
+
+def diagnosis_lines(telemetry: Mapping[str, Any]) -> list[str]:
+    """``diagnosis`` in words: where the workers' time went, the wait, the advice."""
+    lines = []
+    shares = telemetry["stage_shares"]
+    if shares:
+        parts = ", ".join(
+            f"{stage} {share:.0%}" for stage, share in shares.items() if share >= 0.005
+        )
+        lines.append(f"wdsvlm workers' time ({telemetry['worker_seconds']:.1f} s): {parts}")
+    if telemetry["wait_fraction"] is not None:
+        lines.append(
+            f"the loop (no model step) waited for batches {telemetry['wait_fraction']:.0%} "
+            "of its time"
+        )
+    if telemetry["advice"]:
+        lines.append(f"advice: {telemetry['advice']}")
+    return lines
 
 
 def _times(ratio: float | None) -> str:
@@ -236,4 +279,6 @@ def bench_table(result: dict, header: str | None = None) -> str:
         lines.append(
             f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}"
         )
+    if result.get("telemetry"):
+        lines += diagnosis_lines(result["telemetry"])
     return "\n".join(lines)

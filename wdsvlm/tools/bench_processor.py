@@ -220,14 +220,15 @@ def run_processor_bench(
     storage_options: Mapping[str, Any] | None = None,
     show_progress: bool = True,
     model_inputs: bool = True,
+    telemetry: Any = True,
 ) -> dict:
     """Throughput of the naive way (the processor per sample, padded batches) over one pass
     of ``source``, then of ``wdsvlm.Loader(processor=...)`` with ``wdsvlm.model_inputs`` on
     every batch (``model_inputs=False``: the batches alone, as on a GPU, where the
     normalisation is the device's), over one epoch, or each until ``limit`` samples;
     ``processor``: an object,
-    a name or path, or ``"tiny:FAMILY"`` (see ``bench_processor``). Results as
-    ``wdsvlm.bench.run_bench``'s."""
+    a name or path, or ``"tiny:FAMILY"`` (see ``bench_processor``); ``telemetry``: the
+    Loader's setting. Results as ``wdsvlm.bench.run_bench``'s."""
     from ..loader.loader import Loader
 
     processor = bench_processor(processor)
@@ -240,6 +241,7 @@ def run_processor_bench(
             batch_size=batch_size,
             num_workers=workers,
             storage_options=storage_options,
+            telemetry=telemetry,
         )
 
     ip = processor.image_processor

@@ -7,7 +7,7 @@ import sys
 
 from .. import compat
 from ..errors import WdsvlmError
-from . import arguments, cloud_report, commands
+from . import arguments, cloud_report, commands, trace_picture
 from .arguments import byte_size
 
 __all__ = ["build_parser", "byte_size", "main"]
@@ -18,9 +18,10 @@ def _one_line(error: BaseException) -> str:
 
 
 def build_parser():
-    """The ``wdsvlm`` parser: the commands of ``arguments.py`` and ``plan-cloud``."""
+    """The ``wdsvlm`` parser: the commands of ``arguments.py``, ``plan-cloud`` and ``trace``."""
     parser = arguments.build_parser()
     cloud_report.add_parser(compat.subcommands(parser))
+    trace_picture.add_parser(compat.subcommands(parser))
     return parser
 
 
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         "stats": commands.stats,
         "bench": commands.bench,
         "plan-cloud": cloud_report.run,
+        "trace": commands.trace,
     }[args.command]
     try:
         run(args)

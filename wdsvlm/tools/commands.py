@@ -230,6 +230,7 @@ def bench(args: argparse.Namespace) -> None:
         "batch_size": args.batch_size,
         "workers": args.workers,
         "limit": args.limit,
+        "telemetry": telemetry(args),
     }
     if args.processor is not None:
         from .bench_processor import processor_bench_table, run_processor_bench
@@ -246,4 +247,32 @@ def bench(args: argparse.Namespace) -> None:
     else:
         result = run_bench(args.source, args.tokenizer, **sizes, **reading_options(args))
         table = bench_table
+    if args.trace:
+        result["telemetry"]["trace"] = args.trace
     print(json.dumps(result, indent=2) if args.json else table(result))
+    if args.trace and not args.json:
+        print(
+            f"trace of the Loader's first {args.trace_steps} steps: {args.trace} (open it in "
+            f"ui.perfetto.dev or chrome://tracing; a picture: wdsvlm trace {args.trace} --out "
+            "trace.png)"
+        )
+
+
+def telemetry(args: argparse.Namespace):
+    """``bench``'s Loader telemetry: the defaults, with the trace ``--trace`` asks for."""
+    if not args.trace:
+        return True
+    from ..loader.telemetry import Telemetry
+
+    return Telemetry(trace=args.trace, trace_steps=args.trace_steps)
+
+
+def trace(args: argparse.Namespace) -> None:
+    from .trace_picture import trace_picture
+
+    drawn = trace_picture(args.file, args.out, args.steps)
+    print(f"{args.out}: {drawn['lanes']} lanes, {drawn['spans']} spans over {drawn['ms']:.0f} ms")
+    for lane, stages in drawn["ms_per_lane"].items():
+        total = sum(stages.values()) or 1.0
+        shares = sorted(stages.items(), key=lambda kv: -kv[1])
+        print(f"  {lane}: " + ", ".join(f"{name} {ms / total:.0%}" for name, ms in shares))
