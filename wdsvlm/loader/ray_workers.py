@@ -242,10 +242,14 @@ def carried_over(before: dict, after: dict) -> dict:
     """The stats report ``after`` of a restarted actor's stream (counted from its start) with
     ``before``, the report of the last batch taken from its predecessors, added in: what one
     undisturbed stream would report. Counts add, per reason too; example lists are joined up
-    to the length a stream keeps; the packing ratios are computed again."""
+    to the length a stream keeps; the packing ratios are computed again. The stage seconds
+    (``timing``) are each batch's own, since the slot's batch before: ``after``'s as they are."""
     out = _added(before, after)
-    if "slot" in after:
-        out["slot"] = after["slot"]
+    for key in ("slot", "timing"):
+        if key in after:
+            out[key] = after[key]
+        else:
+            out.pop(key, None)
     packing, was, now = out.get("packing"), before.get("packing"), after.get("packing")
     if isinstance(packing, dict) and isinstance(was, dict) and isinstance(now, dict):
         packs = packing.get("packs", 0)
@@ -259,16 +263,18 @@ def carried_over(before: dict, after: dict) -> dict:
     return out
 
 
-def _added(before: Any, after: Any) -> Any:
+def _added(before: Any, after: Any, key: str | None = None) -> Any:
     if isinstance(after, dict) and isinstance(before, dict):
         out = dict(before)
-        for key, value in after.items():
-            out[key] = _added(before[key], value) if key in before else value
+        for name, value in after.items():
+            out[name] = _added(before[name], value, name) if name in before else value
         return out
     if isinstance(after, bool) or isinstance(before, bool):
         return after
     if isinstance(after, int) and isinstance(before, int):
         return before + after
+    if key == "seconds" and isinstance(after, float) and isinstance(before, (int, float)):
+        return before + after  # the requests' seconds (other floats are ratios)
     if isinstance(after, list) and isinstance(before, list):
         numbers = (int, float)
         if all(isinstance(v, numbers) for v in before + after) and len(before) == len(after):

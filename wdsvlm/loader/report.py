@@ -27,15 +27,19 @@ class Yielded:
     supervised: Counter = field(default_factory=Counter)
     """A mixture's supervised tokens per source."""
 
-    def count(self, batch: Mapping) -> None:
+    def count(self, batch: Mapping) -> tuple[int, int]:
+        """Count ``batch`` in; returns its samples and (real) tokens."""
+        samples = sum(len(row) for row in batch["sample_keys"])
+        tokens = int(batch["attention_mask"].sum())
         self.packs += sum(1 for row in batch["sample_keys"] if row)
-        self.samples += sum(len(row) for row in batch["sample_keys"])
-        self.tokens += int(batch["attention_mask"].sum())
+        self.samples += samples
+        self.tokens += tokens
         self.tiles += int(batch["image_tiles"].sum())
         for row in batch.get("sample_sources", ()):
             self.sources.update(row)
         if "sample_sources" in batch:
             self.supervised.update(supervised_by_source(batch))
+        return samples, tokens
 
 
 def supervised_by_source(batch: Mapping) -> Counter:
@@ -105,7 +109,7 @@ def epoch_stats(yielded: Yielded, reports: Mapping[int, dict], max_length: int) 
         ),
         "skipped": dict(skips.counts),
         "skipped_examples": {k: list(v) for k, v in skips.examples.items()},
-        "requests": skips.as_dict()["requests"],
+        "requests": skips.as_dict(timed=False)["requests"],  # the counts; seconds: metrics()
     }
 
 

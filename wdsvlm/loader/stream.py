@@ -47,6 +47,7 @@ from ..pipeline.plan import Plan
 from ..pipeline.read import ReadSamples
 from ..pipeline.shuffle import Shuffle
 from ..pipeline.stats import SkipStats
+from ..pipeline.timing import StageClock, stretch
 from ..pipeline.tokenize import Tokenize
 from .state import ReadCursor, WorkerState
 from .workers import adopt_environ
@@ -55,6 +56,10 @@ compat.check_torch()  # torch's private names the workers use: fail at import, n
 
 STATE_KEY = "_wdsvlm_state"  # ride on each batch from the worker; the Loader removes them
 STATS_KEY = "_wdsvlm_stats"
+
+
+# what each of ``Stream.stages`` is charged as (``pipeline.timing.STAGES``)
+_TIMED_AS = ("shuffle", "tokenize", "pack", "pack")
 
 
 def quota(done: int, total: int, workers: int, slot: int) -> int:
@@ -82,6 +87,7 @@ class LiveStream:
     read_since_batch: int = 0
     accepted_at: int = 0
     held: PackStats = field(default_factory=PackStats)
+    clock: StageClock | None = None
 
     @property
     def pack(self) -> PackRun:
@@ -132,6 +138,12 @@ class Stream(IterableDataset):
             "states": [WorkerState.fresh(0)] * self.workers,
         }
         self._live: LiveStream | None = None
+        # set by the Loader before workers start: whether workers time their stages and ship
+        # the seconds with each batch (``pipeline.timing``), the ``telemetry.StatusBoard`` of
+        # the stage each is in, and how many batches of each slot's stream keep a trace's spans
+        self.telemetry: bool = True
+        self.board: Any = None
+        self.trace_batches: int = 0
 
     def __getstate__(self):
         # What a worker gets: the job, not a running stream; and, for a worker on this machine,
@@ -206,42 +218,67 @@ class Stream(IterableDataset):
         live.pack.stats.reset()
         live.held.reset()
         live.balance.figures = [0, 0, 0]
+        # what the stream does beyond the stages (the state, the report) is the collate step's
+        collating = stretch(live.clock, "collate")
         while live.left > 0:
-            batch = next(live.batches, None)
-            if batch is None and self.plan.evaluation:  # its pass is read: empty rows
-                batch = self.collate([])
-            elif batch is None:  # the stream is endless: only a bug ends it
-                raise WdsvlmError(f"the stream of slot {live.slot} ended")
-            live.left -= 1
-            live.read_since_batch, live.accepted_at = 0, live.pack.accepted
-            batch[STATE_KEY] = {"slot": live.slot, "state": self.capture(live)}
-            # drops as read this epoch; packs as this epoch's batches hold them (a pack made
-            # in one epoch may wait for a batch of the next)
-            packing, held = live.pack.stats, live.held
-            batch[STATS_KEY] = {
-                "slot": live.slot,
-                # rides on every batch: keep it small; reads of a dataset alone under its name
-                "skips": self.skips.as_dict(examples=10, source=self._source),
-                "packing": packing.as_dict(examples=10, packs=held),
-                "tokens": held.tokens,
-                "capacity": held.capacity,
-                "batch_tiles": list(live.balance.figures),
-            }
+            with collating:
+                batch = self._batch(live)
+            if live.clock is not None:  # this slot's seconds since its last batch
+                timing = live.clock.take()
+                batch[STATS_KEY]["timing"] = {"pid": os.getpid(), "slot": live.slot, **timing}
             yield batch
+
+    def _batch(self, live: LiveStream) -> dict:
+        """The stream's next batch, with its state and its report attached."""
+        batch = next(live.batches, None)
+        if batch is None and self.plan.evaluation:  # its pass is read: empty rows
+            batch = self.collate([])
+        elif batch is None:  # the stream is endless: only a bug ends it
+            raise WdsvlmError(f"the stream of slot {live.slot} ended")
+        live.left -= 1
+        live.read_since_batch, live.accepted_at = 0, live.pack.accepted
+        batch[STATE_KEY] = {"slot": live.slot, "state": self.capture(live)}
+        # drops as read this epoch; packs as this epoch's batches hold them (a pack made
+        # in one epoch may wait for a batch of the next)
+        packing, held = live.pack.stats, live.held
+        batch[STATS_KEY] = {
+            "slot": live.slot,
+            # rides on every batch: keep it small; reads of a dataset alone under its name
+            "skips": self.skips.as_dict(examples=10, source=self._source),
+            "packing": packing.as_dict(examples=10, packs=held),
+            "tokens": held.tokens,
+            "capacity": held.capacity,
+            "batch_tiles": list(live.balance.figures),
+        }
+        return batch
 
     def _start(self, slot: int, epoch: int, state: WorkerState) -> LiveStream:
         """``slot``'s stream from ``state`` (fresh, or a captured one: the samples its stages
         held are read again, and each stage restored from its state)."""
         global_worker = self.plan.worker_config.global_worker(slot)
-        again = self._read_again(global_worker, state.held_places())
+        clock = self._clocked(slot)
+        with stretch(clock, "read"):  # charged to the stream's first batch
+            again = self._read_again(global_worker, state.held_places())
         reader = self.read(self._spans(global_worker, state.read))
-        live = LiveStream(slot, epoch, global_worker, state.read, reader)
-        upstream: Iterator = self._watched(reader, live)
+        live = LiveStream(slot, epoch, global_worker, state.read, reader, clock=clock)
+        upstream: Iterator = reader if clock is None else clock.timed("read", reader)
+        upstream = self._watched(upstream, live)
         for k, (stage, saved) in enumerate(zip(self.stages, state.stages(), strict=True)):
-            upstream = stage.restore(saved, upstream, self._fetcher(again, self.stages[:k]))
-            live.runs.append(upstream)
+            run = stage.restore(saved, upstream, self._fetcher(again, self.stages[:k]))
+            live.runs.append(run)
+            upstream = run if clock is None else clock.timed(_TIMED_AS[k], run)
         live.batches = map(self.collate, self._counted(upstream, live))
         return live
+
+    def _clocked(self, slot: int) -> StageClock | None:
+        """A clock for ``slot``'s stream, handed to the stages that time stretches of their
+        own work (reads waiting on the store, the user's functions, decoding); None, and the
+        stages' clocks taken away, with telemetry off."""
+        clock = StageClock(self.board, slot, self.trace_batches) if self.telemetry else None
+        users = (self.tokenize.sample_map, self.collate.image_map)
+        for stage in (self.read, self.collate, *(u for u in users if u is not None)):
+            stage.clock = clock
+        return clock
 
     def _counted(self, batches: Iterator[list], live: LiveStream) -> Iterator[list]:
         """The balance stage's batches (lists of packs), each pack counted in ``live.held``

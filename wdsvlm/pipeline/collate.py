@@ -23,6 +23,7 @@ from ..format.videos import UnreadableVideo, VideoInfo, decode_frames, video_mem
 from .images import uint8_tiles
 from .memory import private_uint8, shared_uint8
 from .stats import SkipStats, sample_name
+from .timing import stretch
 from .tokenize import IGNORE_INDEX
 from .usermap import ImageMap, MapFailed
 
@@ -44,7 +45,13 @@ class Collate:
     Every batch of one Collate has the same keys, whatever its rows hold: with ``sources``
     (a mixture) ``sample_sources`` is there also in a batch of empty rows (the end of an
     evaluation pass, a batch whose every sample failed), as B empty lists.
+
+    ``clock`` (a ``timing.StageClock``, set by the Loader's stream in each worker): decoding
+    is charged to it as ``decode_image`` (decode and resize into the family's units: one call
+    of the family's, not split) and ``decode_video``; the rest is the caller's stage.
     """
+
+    clock = None
 
     def __init__(
         self,
@@ -81,12 +88,15 @@ class Collate:
         frames = [sum(s.get("video_units", ())) for s in samples]
         videos = None if video is None else uint8_units((sum(frames), *video.unit_shape))
         failed, start, at = [], 0, 0
+        images, frames_of = stretch(self.clock, "decode_image"), stretch(self.clock, "decode_video")
         for sample, n, m in zip(samples, counts, frames, strict=True):
             try:
                 if n:
-                    self._fill(sample, pixels[start : start + n])
+                    with images:
+                        self._fill(sample, pixels[start : start + n])
                 if m:
-                    self._fill_videos(sample, videos[at : at + m])
+                    with frames_of:
+                        self._fill_videos(sample, videos[at : at + m])
             except UnreadableImage as e:
                 self.stats.skip("collate", "undecodable_image", sample, str(e))
                 failed.append((sample, (start, n), (at, m)))

@@ -34,6 +34,7 @@ from ..storage.cache import ShardCache
 from ..storage.fs import ReadPolicy, RequestCounts, read_range
 from .coalesce import bounds, grouped
 from .stats import SkipStats
+from .timing import stretch
 
 _DONE = object()
 
@@ -66,7 +67,12 @@ class ReadSamples:
     "__pass__" (its pass), "__worker__", "__pos__" (its place in the pass's global order),
     "__source__" (its source's name), "json": bytes, "0.jpg": bytes, ...}``: member names
     without the key, as webdataset names them.
+
+    ``clock`` (a ``timing.StageClock``, set by the Loader's stream in each worker): where
+    the time the stage waits for its reads (``read_wait``) is charged.
     """
+
+    clock = None
 
     def __init__(
         self,
@@ -142,7 +148,7 @@ class ReadSamples:
                 sidecar.counting.reset(token)
             if span is None:
                 return
-            read = counts.as_dict()
+            read = counts.figures()
             if read["requests"]:
                 counts.add(**{name: -n for name, n in read.items()})
                 sidecars[id(span)] = read
@@ -158,7 +164,7 @@ class ReadSamples:
         if found is not None:
             counts.add(**found)
         if read is not None:
-            counts.add(**read.as_dict())
+            counts.add(**read.figures())
 
     def _grouped(self, spans: Iterator[dict]) -> Iterator[list[dict]]:
         """The spans in runs read with one request each (``coalesce.grouped``: within the
@@ -173,13 +179,17 @@ class ReadSamples:
         missing: dict[tuple, StorageError] = {}  # (url, pass) of shards the store lacks
         sidecars: dict[int, dict] = {}
         spans = self._planned(spans, sidecars)
+        waiting = stretch(self.clock, "read_wait")  # what the store's answers keep us waiting
         if not self.read_ahead:
-            for span in spans:
-                counts = RequestCounts()
-                data = self._read(span, None, missing, counts)
+            while True:
+                with waiting:  # read here, from the plan's sidecars on: all of it waits
+                    span = next(spans, None)
+                    if span is None:
+                        return
+                    counts = RequestCounts()
+                    data = self._read(span, None, missing, counts)
                 self._taken(span, sidecars, counts)
                 yield span, data
-            return
         # ``ready`` holds reads in the plan's order, begun or done: its bound keeps the bytes
         # held to a few spans. ``jobs`` hands the same reads to the readers, in that order.
         ready: queue.Queue = queue.Queue(maxsize=self.read_ahead)
@@ -237,12 +247,14 @@ class ReadSamples:
             thread.start()
         try:
             while True:
-                span, read, k = ready.get()
+                with waiting:  # the next read in the plan's order, begun or not, and its end
+                    span, read, k = ready.get()
+                    if span is not _DONE and span is not None:
+                        read.done.wait()
                 if span is _DONE:
                     return
                 if span is None:
                     raise read
-                read.done.wait()
                 if read.error is not None:
                     raise read.error
                 self._taken(span, sidecars, read.counts if k == 0 else None)

@@ -98,17 +98,22 @@ class SkipStats:
         self.examples.clear()
         self._in_a_row.clear()
         for counts in list(self.requests.values()):  # kept: reads under way add to them
-            counts.add(**{name: -n for name, n in counts.as_dict().items()})
+            counts.add(**{name: -n for name, n in counts.figures().items()})
 
     def ok(self, stage: str) -> None:
         """A sample passed ``stage``: its run of failures is over."""
         self._in_a_row[stage] = 0
 
-    def as_dict(self, examples: int | None = None, source: str | None = None) -> dict:
+    def as_dict(
+        self, examples: int | None = None, source: str | None = None, timed: bool = True
+    ) -> dict:
         """Counts per reason and ``"SHARD/KEY"`` examples (the first ``examples`` per reason,
         or all that are kept), and the requests per source (``source``: the name of a dataset
-        read alone)."""
-        requests = {source if k is None else k: v.as_dict() for k, v in self.requests.items()}
+        read alone): with ``timed``, their seconds and the cache's hits too."""
+        requests = {
+            source if k is None else k: v.figures() if timed else v.as_dict()
+            for k, v in self.requests.items()
+        }
         return {
             "skipped": dict(sorted(self.counts.items())),
             "examples": {k: list(v[:examples]) for k, v in sorted(self.examples.items())},

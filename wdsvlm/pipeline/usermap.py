@@ -103,9 +103,12 @@ def _workers_import_main() -> bool:
 
 
 class UserStep:
-    """The user's function ``fn`` with the loader's ``seed`` and what its exceptions do."""
+    """The user's function ``fn`` with the loader's ``seed`` and what its exceptions do.
+    ``clock`` (a ``timing.StageClock``, set by the Loader's stream in each worker): where
+    its calls' time is charged, as the stage named ``kind``."""
 
     kind = "map"
+    clock = None
 
     def __init__(self, fn: Callable, seed: int, errors: str = "skip"):
         if errors not in MAP_ERRORS:
@@ -130,7 +133,10 @@ class UserStep:
         """``fn(*args)`` on ``sample``'s behalf; an exception becomes ``MapFailed`` (to skip
         the sample) or, with ``map_errors="raise"``, a ``WdsvlmError``; both name it."""
         try:
-            return self.fn(*args)
+            if self.clock is None:
+                return self.fn(*args)
+            with self.clock.stage(self.kind):
+                return self.fn(*args)
         except Exception as e:  # noqa: BLE001 - the user's code: skipped or raised as asked
             detail = self.failure(e, sample)
             if self.errors == "raise":

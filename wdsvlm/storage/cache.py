@@ -125,7 +125,8 @@ class ShardCache:
     ) -> bytes:
         """Bytes ``[start, stop)`` of the shard; ``size`` and ``sha256`` are the index's. With
         no sha256 (or not one of 64 hex digits) the range is read from the store, uncached.
-        ``counts``: gets the requests to the store (a size asked, missing blocks; not hits)."""
+        ``counts``: gets the requests to the store (a size asked, missing blocks) and the
+        ranges served with none (``cache_hits``)."""
         if file_bytes(size) > self.max_bytes or not _SHA256.fullmatch(str(sha256)):
             return read_range(url, start, stop, storage_options, policy, None, counts)
         sha256 = sha256.lower()
@@ -199,11 +200,12 @@ class ShardCache:
     def _serve(self, fd, url, size, sha256, start, stop, store) -> bytes:
         """Bytes ``[start, stop)`` from the shard's file, its missing blocks fetched first
         (``store``: with these storage options, read policy and request counts)."""
-        if os.fstat(fd).st_size == size:  # an older release's whole, checked shard
-            return pread(fd, stop - start, start)
         first, last = start // BLOCK, -(-stop // BLOCK)
-        if first >= last or b"\0" not in os.pread(fd, last - first, size + first):
-            return pread(fd, stop - start, start)  # every block there
+        whole = os.fstat(fd).st_size == size  # an older release's whole, checked shard
+        if whole or first >= last or b"\0" not in os.pread(fd, last - first, size + first):
+            if store[2] is not None:  # every block there: served with no request
+                store[2].add(cache_hits=1)
+            return pread(fd, stop - start, start)
         lo, hi = first * BLOCK, min(size, last * BLOCK)
         rounded = (hi - lo) - (stop - start) <= MORE * (stop - start)
         wrote = False
@@ -379,11 +381,9 @@ def _open_file(path: str, size: int) -> int | None:
 
 
 def _remove_if_stale(entry: os.DirEntry) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         if time.time() - entry.stat().st_mtime > _STALE:
             _unlink(entry.path)
-    except FileNotFoundError:
-        pass
 
 
 def _inode(path: str) -> int | None:
@@ -394,7 +394,5 @@ def _inode(path: str) -> int | None:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

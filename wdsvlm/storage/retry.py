@@ -65,16 +65,20 @@ class ReadPolicy:
 class RequestCounts:
     """What reads asked of a store, added up (thread-safe; pickles as its figures):
     ``requests`` sent (every try), ``bytes`` received, ``throttled`` answers (503 SlowDown,
-    429, ...) and ``retries`` after faults."""
+    429, ...) and ``retries`` after faults; and ``seconds``, the requests' own time (from
+    asking to the answer, without waiting for a turn or a backoff), summed over the threads
+    that made them, and ``cache_hits``, ranges the shard cache served with no request."""
 
-    FIELDS = ("requests", "bytes", "throttled", "retries")
+    COUNTS = ("requests", "bytes", "throttled", "retries")
+    FIELDS = (*COUNTS, "cache_hits", "seconds")
 
-    def __init__(self, **counts: int):
+    def __init__(self, **counts: float):
         self._lock = threading.Lock()
-        self.requests = self.bytes = self.throttled = self.retries = 0
+        self.requests = self.bytes = self.throttled = self.retries = self.cache_hits = 0
+        self.seconds = 0.0
         self.add(**counts)
 
-    def add(self, **counts: int) -> None:
+    def add(self, **counts: float) -> None:
         with self._lock:
             for name, value in counts.items():
                 if name not in self.FIELDS:
@@ -82,11 +86,17 @@ class RequestCounts:
                 setattr(self, name, getattr(self, name) + value)
 
     def as_dict(self) -> dict[str, int]:
+        """The counts (``COUNTS``): what the store was asked and sent."""
+        with self._lock:
+            return {name: getattr(self, name) for name in self.COUNTS}
+
+    def figures(self) -> dict[str, float]:
+        """The counts, the requests' ``seconds`` and the ``cache_hits`` (``FIELDS``)."""
         with self._lock:
             return {name: getattr(self, name) for name in self.FIELDS}
 
     def __getstate__(self):
-        return self.as_dict()
+        return self.figures()
 
     def __setstate__(self, state):
         self.__init__(**state)
@@ -289,9 +299,12 @@ def retrying(
             _throttled_too_long(url, at, throttled_since, throttles, policy, cause)
         if counts is not None:
             counts.add(requests=1)
+        began = time.perf_counter()
         try:
-            return request()
+            answer = request()
         except Exception as e:  # noqa: BLE001 - classified below; every path re-raises or retries
+            if counts is not None:  # the failed request's own time, not the backoff's
+                counts.add(seconds=time.perf_counter() - began)
             cause = f"{type(e).__name__}: {e}".strip()
             if is_throttling(e):
                 now = time.monotonic()
@@ -328,3 +341,7 @@ def retrying(
             log.info("%s: retrying from byte %d (%s)", url, at, cause)
             wait = min(policy.max_backoff, policy.backoff * 2 ** (failures - 1))
             _pause(wait * (0.5 + random.random()), cancel)
+            continue
+        if counts is not None:
+            counts.add(seconds=time.perf_counter() - began)
+        return answer
