@@ -191,6 +191,22 @@ def shutdown_workers(batches: Any) -> None:
             worker.join(timeout=5)
 
 
+def ready_batches(batches: Any) -> int:
+    """The batches a DataLoader iterator's workers have handed over and the training process
+    has not taken yet: those in its data queue (after the pin-memory thread, if any) and those
+    that came out of order and wait in its task table. 0 where it cannot tell (no workers, a
+    torch without these names)."""
+    queue = getattr(batches, "_data_queue", None)
+    tasks = getattr(batches, "_task_info", None)
+    if queue is None or not isinstance(tasks, dict):
+        return 0
+    try:
+        waiting = queue.qsize()
+    except (NotImplementedError, OSError):  # macOS: no sem_getvalue
+        return 0
+    return waiting + sum(1 for task in tasks.values() if len(task) == 2)
+
+
 # ---- transformers: the Trainer's private methods, the attention and weight-name registries --
 # wdsvlm.hf overrides (by name) and calls the Trainer's private methods below, swaps the
 # module-level skip_first_batches of transformers.trainer while an epoch runs, reads the

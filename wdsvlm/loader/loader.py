@@ -28,7 +28,7 @@ from .resume import resume_point, topology_of
 from .settings import settings_from, signature_with_settings
 from .state import LoaderState, WorkerState
 from .stream import STATE_KEY, STATS_KEY
-from .telemetry import DataMeter, telemetry_of
+from .telemetry import meter_of
 from .workers import check_main_guarded
 
 log = logging.getLogger("wdsvlm.loader")
@@ -90,7 +90,7 @@ class Loader:
         self._config = parts.config
         self._worker_stats: dict = {}
         self._yielded = Yielded()
-        self._meter = DataMeter(telemetry_of(self.settings.telemetry), self.settings.num_workers)
+        self._meter = meter_of(self.settings, self.worker_config)
         self._dataloader = None
         self._ray: Iterator[dict] | None = None  # the running Ray workers' batches
         self._running: weakref.ref | None = None  # the epoch's generator being iterated
@@ -227,37 +227,26 @@ class Loader:
         self._yielded = Yielded()
         whole = self._done == 0
         self._reusable = False
+        self._meter.prepare(self.stream)  # telemetry.py: what workers time, the hang board
         batches = self._ray_batches(total) if self._on_ray else self._local_batches()
         iteration = self._iteration = object()
         self._batches = batches
         try:
-            for batch in batches:
+            for batch in self._meter.timed(batches, self._done):  # each step's wait timed
                 state = batch.pop(STATE_KEY)
                 self._states[state["slot"]] = state["state"]  # a WorkerState
                 report = batch.pop(STATS_KEY)
                 self._meter.arrived(report)
                 self._worker_stats[report.pop("slot")] = report
                 self._done += 1
-                self._yielded.count(batch)
+                self._meter.handed(batch, *self._yielded.count(batch))
                 yield batch
-        except GeneratorExit:  # iteration stopped early (or close()): the workers stop now
+        except (GeneratorExit, Exception):
+            # Iteration stopped early (or close()), or an error: stop the workers now. An
+            # error's traceback holds the DataLoader's iterator, and freed later by the cycle
+            # collector, its queues can go first, its workers are never told to stop, and each
+            # is waited for 5 s. New workers for what follows.
             self._stop_workers(batches, iteration)
-            raise
-        except Exception as e:
-            # Stop the workers now: the error's traceback holds the DataLoader's iterator, and
-            # freed later by the cycle collector, its queues can go first, its workers are
-            # never told to stop, and each is waited for 5 s. New workers for what follows.
-            self._stop_workers(batches, iteration)
-            if (
-                isinstance(e, (ConnectionError, EOFError))
-                and self.dataloader_options["num_workers"]
-                and not self._on_ray
-            ):
-                # a worker that dies while its batch's shared memory is being handed over
-                raise RuntimeError(
-                    "DataLoader worker exited unexpectedly while handing over a batch "
-                    f"({type(e).__name__}: {e})"
-                ) from e
             raise
         if self._done != total:
             raise WdsvlmError(f"epoch {self._epoch} ended after {self._done} of {total} batches")
@@ -277,6 +266,7 @@ class Loader:
         if iteration is not self._iteration:
             return
         self._batches = self._iteration = None
+        self._meter.stop()
         compat.shutdown_workers(batches)
         self._stop_ray()
         self._dataloader = None
@@ -332,6 +322,7 @@ class Loader:
         self._reusable = False
         self._dataloader = None
         self._stop_ray()
+        self._meter.close()  # its hang board's file goes; a trace is written
 
     def _stop_ray(self) -> None:
         ray, self._ray = getattr(self, "_ray", None), None
