@@ -121,7 +121,7 @@ class DataMeter:
         self._last: dict[tuple, float] = {}  # each slot's last cumulative request/skip figure
         self._waiting = 0.0  # the start of the current wait (0: not waiting): the watchdog's
         self._index = 0  # the batch of the epoch waited for
-        self._asked = self._arrived = self._handed = 0.0
+        self._asked = self._arrived = self._handed = self._begun = 0.0
         self._worked = 0.0  # work() seconds since the last batch was handed over
         self._watchdog: Watchdog | None = None
 
@@ -129,7 +129,9 @@ class DataMeter:
 
     def prepare(self, stream: Any) -> None:
         """Before an iteration's workers start: what the stream's workers do for telemetry
-        (time their stages, write the board, keep a trace's spans)."""
+        (time their stages, write the board, keep a trace's spans). The consumer asked for the
+        iteration's first batch now: starting the workers is part of its wait."""
+        self._begun = time.perf_counter()
         telemetry = self.telemetry
         stream.telemetry = telemetry is not None
         if telemetry is not None and telemetry.hang_after_s and self.board is None:
@@ -162,7 +164,8 @@ class DataMeter:
         clock = time.perf_counter
         try:
             while True:
-                asked = self._asked = clock()
+                asked = self._asked = self._begun or clock()
+                self._begun = 0.0
                 if self._handed:  # the model's step: since the last batch, less work()
                     s["data/step_s"] += asked - self._handed - self._worked
                     if self._trace is not None:

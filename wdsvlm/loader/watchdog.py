@@ -189,16 +189,17 @@ class Watchdog:
 
     def _watch(self) -> None:
         poll = max(0.05, min(self.after / 5, 5.0))
-        told = (0.0, 0)  # the wait last told about, and how many times
+        told, due = 0.0, 0.0  # the wait last told about; how long it waits when told next
         while not self._stop.wait(poll):
             since, index = self.waiting()
             if not since:
                 continue
+            if since != told:
+                told, due = since, self.after
             waited = time.perf_counter() - since
-            times = told[1] if told[0] == since else 0
-            if waited < self.after * (times + 1):
+            if waited < due:
                 continue
-            told = (since, times + 1)
+            due = waited + self.after
             slot = index % self.workers
             log.warning(
                 "batch %d of the epoch has been waited for %.1f s; it comes from %s. %s "

@@ -1,0 +1,263 @@
+"""The training process's side of telemetry: each step's wait for its batch against injected
+truth (a map= of known cost, a model step of known length), metrics() and its reset, the
+advice (diagnose on staged figures, and one line in a run that waits), and a hang named with
+its worker and stage."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+
+import pytest
+
+import wdsvlm
+from wdsvlm.loader.advice import diagnose
+from wdsvlm.pipeline.timing import STAGES
+
+from .conftest import EXAMPLE
+
+TOKENIZER = os.path.join(EXAMPLE, "tokenizer")
+SMALL = dict(
+    max_length=1024,
+    batch_size=2,
+    tile_size=64,
+    max_image_side=128,
+    tokens_per_tile=4,
+    shuffle_buffer=8,
+    pack_window=16,
+)
+MAP_SLEEP, STEP = 0.020, 0.030
+
+CONSUMER = {
+    "data/steps",
+    "data/wait_fraction",
+    "data/wait_s",
+    "data/wait_mean_s",
+    "data/wait_p50_s",
+    "data/wait_p95_s",
+    "data/wait_max_s",
+    "data/loader_s",
+    "data/step_s",
+    "data/samples_per_s",
+    "data/tokens_per_s",
+    "data/supervised_tokens_per_s",
+    "data/padding",
+    "data/batches_ready",
+}
+WORKERS = {f"data/{stage}_s" for stage in STAGES} | {
+    "data/requests",
+    "data/bytes_read",
+    "data/store_s",
+    "data/throttled",
+    "data/retries",
+    "data/cache_hits",
+    "data/skipped",
+}
+
+
+def loader(**extra) -> wdsvlm.Loader:
+    return wdsvlm.Loader(EXAMPLE, TOKENIZER, **{**SMALL, **extra})
+
+
+def sleepy(sample, rng):
+    """A map= of known cost."""
+    time.sleep(MAP_SLEEP)
+    return sample
+
+
+_SLEPT = []
+
+
+def stuck_once(sample, rng):
+    """A map= that holds its process's first sample for 3 s."""
+    if not _SLEPT:
+        _SLEPT.append(True)
+        time.sleep(3.0)
+    return sample
+
+
+def train(data_loader, step: float = STEP) -> tuple[int, float]:
+    """One epoch with a 'model step' of ``step`` seconds after each batch: the steps and the
+    wall time of the loop (from asking for the first batch to the end of the epoch)."""
+    start = time.perf_counter()
+    steps = 0
+    for _ in data_loader:
+        time.sleep(step)
+        steps += 1
+    return steps, time.perf_counter() - start
+
+
+@pytest.mark.parametrize(
+    "workers", [0, pytest.param(2, marks=[pytest.mark.processes, pytest.mark.timeout(180)])]
+)
+def test_the_wait_and_the_step_are_measured_where_they_happen(workers):
+    data_loader = loader(map=sleepy, num_workers=workers, batches_per_epoch=8)
+    try:
+        steps, wall = train(data_loader)
+        m = data_loader.metrics()
+    finally:
+        data_loader.close()
+    assert steps == m["data/steps"] == 8
+    # the model's steps: at least the sleeps, within 10%
+    truth = steps * STEP
+    assert truth <= m["data/step_s"] < 1.1 * truth
+    # every second of the loop is a wait, the Loader's own work or a step
+    timed = m["data/wait_s"] + m["data/loader_s"] + m["data/step_s"]
+    assert 0.98 * wall < timed <= wall
+    # the wait: the loop's time that was not the model's step (nor the Loader's own work)
+    true_wait = (wall - truth - m["data/loader_s"]) / wall
+    assert m["data/wait_fraction"] == pytest.approx(true_wait, rel=0.1)
+    assert m["data/loader_s"] < 0.05 * wall
+    waits = m["data/wait_p50_s"], m["data/wait_p95_s"], m["data/wait_max_s"]
+    assert 0 < waits[0] <= waits[1] <= waits[2] <= m["data/wait_s"]
+    assert m["data/wait_mean_s"] == pytest.approx(m["data/wait_s"] / steps)
+    # the user's map= seconds, from the workers' reports: at least its sleeps
+    assert m["data/map_s"] >= MAP_SLEEP * m["data/samples_per_s"] * wall * 0.99
+    assert m["data/requests"] > 0 and m["data/bytes_read"] > 0
+    assert not [t for t in threading.enumerate() if t.name == "wdsvlm-watchdog"]
+
+
+def test_metrics_are_per_interval_and_named_under_data():
+    data_loader = loader(num_workers=0, batches_per_epoch=6)
+    batches = iter(data_loader)
+    for _ in range(3):
+        next(batches)
+    first = data_loader.metrics(reset=False)
+    assert set(first) == CONSUMER | WORKERS  # no reason skipped: no data/skipped/<reason>
+    assert all(isinstance(v, float) for v in first.values())
+    assert first["data/steps"] == 3
+    assert data_loader.metrics(reset=False)["data/steps"] == 3  # not reset: the same interval
+    assert data_loader.metrics()["data/steps"] == 3
+    empty = data_loader.metrics()
+    assert empty["data/steps"] == 0 and empty["data/wait_s"] == 0
+    assert empty["data/samples_per_s"] == 0 and empty["data/wait_fraction"] == 0
+    rest = list(batches)
+    later = data_loader.metrics()
+    assert later["data/steps"] == len(rest) == 3
+    assert later["data/samples_per_s"] > 0 and later["data/tokens_per_s"] > 0
+    assert 0 < later["data/supervised_tokens_per_s"] < later["data/tokens_per_s"]
+    assert 0 <= later["data/padding"] < 1
+
+    off = loader(num_workers=0, batches_per_epoch=2, telemetry=False)
+    list(off)
+    figures = off.metrics()
+    assert set(figures) == CONSUMER and figures["data/steps"] == 2
+    assert figures["data/wait_s"] > 0 and figures["data/samples_per_s"] > 0
+
+
+def test_the_loaders_work_outside_its_iteration_is_not_the_models_step():
+    data_loader = loader(num_workers=0, batches_per_epoch=3)
+    for _ in data_loader:
+        with data_loader._meter.work():  # as the Trainer's model_inputs
+            time.sleep(0.05)
+        time.sleep(0.02)
+    m = data_loader.metrics()
+    assert 3 * 0.05 <= m["data/loader_s"] < 3 * 0.05 + 0.05
+    assert 3 * 0.02 <= m["data/step_s"] < 3 * 0.02 * 1.5
+
+
+# ---- advice ------------------------------------------------------------------------------
+
+
+def staged(waiting: float, **stages: float) -> dict[str, float]:
+    """Figures of 200 steps of 0.1 s each that waited ``waiting`` of the time."""
+    wall = 20.0
+    figures = {
+        "data/steps": 200.0,
+        "data/wait_s": waiting * wall,
+        "data/loader_s": 0.01 * wall,
+        "data/step_s": (0.99 - waiting) * wall,
+        "data/wait_fraction": waiting,
+    }
+    figures.update({f"data/{stage}_s": 0.0 for stage in STAGES})
+    figures.update({f"data/{stage}_s": s for stage, s in stages.items()})
+    return figures
+
+
+def test_a_slow_store_is_named_with_read_ahead_and_the_cache():
+    figures = staged(0.4, read_wait=50.0, read=5.0, tokenize=5.0, decode_image=10.0)
+    text = diagnose(figures, 4, figures["data/wait_fraction"])
+    assert text.startswith("waited 40% of the last 200 steps; the workers spent 71% waiting")
+    assert "store" in text and "read_ahead" in text and "cache_dir" in text
+
+
+def test_slow_decoding_asks_for_workers_or_fewer_frames():
+    figures = staged(0.38, decode_video=71.0, read=9.0, tokenize=10.0, collate=10.0)
+    text = diagnose(figures, 4, figures["data/wait_fraction"])
+    assert text == (
+        "waited 38% of the last 200 steps; the workers spent 71% decoding video: "
+        "num_workers 4 -> 8, or decode fewer frames (fps, max_frames) or smaller ones"
+    )
+
+
+def test_a_fast_pipeline_gets_no_advice():
+    figures = staged(0.02, decode_image=70.0, read=30.0)
+    assert diagnose(figures, 4, figures["data/wait_fraction"]) is None
+
+
+def test_other_cases_of_advice():
+    figures = staged(0.5, map=80.0, read=20.0)
+    no_workers = diagnose(figures, 0, 0.5)
+    assert "pipeline runs in the training process (num_workers=0)" in no_workers
+    assert "80% in your map= function" in no_workers
+    # bench: no model step, judged by the stages' shares alone
+    assert diagnose(figures, 2, None) == (
+        "the workers spent 80% in your map= function: make map= cheaper, or num_workers 2 -> 4"
+    )
+    own = dict(figures, **{"data/loader_s": 8.0, "data/wait_s": 1.0, "data/step_s": 11.0})
+    assert "the Loader's own work in the training process took 40%" in diagnose(own, 2, 0.05)
+    assert "telemetry off" in diagnose(staged(0.5), 2, 0.5)
+
+
+def test_a_run_that_waits_logs_one_line_of_advice(caplog):
+    setting = wdsvlm.Telemetry(window=3, advice_wait=0.2)
+    data_loader = loader(map=sleepy, num_workers=0, batches_per_epoch=6, telemetry=setting)
+    with caplog.at_level(logging.WARNING, logger="wdsvlm.loader"):
+        train(data_loader, step=0.0)
+    advice = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert len(advice) == 1, advice  # two windows, the same advice: said once
+    assert re.match(
+        r"waited \d+% of the last 3 steps; the pipeline runs in the training", advice[0]
+    )
+    assert "in your map= function" in advice[0]
+
+
+# ---- hangs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "workers", [0, pytest.param(2, marks=[pytest.mark.processes, pytest.mark.timeout(120)])]
+)
+def test_a_step_held_up_names_the_worker_and_its_stage(workers, caplog):
+    _SLEPT.clear()
+    setting = wdsvlm.Telemetry(hang_after_s=0.5)
+    data_loader = loader(
+        map=stuck_once, num_workers=workers, batches_per_epoch=2, telemetry=setting
+    )
+    with caplog.at_level(logging.WARNING, logger="wdsvlm.loader"):
+        next(iter(data_loader))
+    board = data_loader._meter.board.path
+    data_loader.close()
+    told = [r.getMessage() for r in caplog.records if "has been waited for" in r.getMessage()]
+    assert told, caplog.text
+    # told again every hang_after_s while it waits
+    assert len(told) >= 3
+    holder = "the training process (num_workers=0)" if not workers else "worker slot 0"
+    waited = [
+        float(re.match(r"batch 0 of the epoch has been waited for (\d+\.\d) s", t)[1]) for t in told
+    ]
+    assert 0.5 <= waited[0] and all(
+        b - a >= 0.45 for a, b in zip(waited, waited[1:], strict=False)
+    ), told
+    assert all(
+        re.search(f"it comes from {re.escape(holder)}\\. {re.escape(holder)}[ :]", t) for t in told
+    )
+    # the stage it is in, with how long (workers: once started, which takes a while)
+    stuck = [re.search(r"\(pid \d+\): in map for (\d+\.\d) s", t) for t in told]
+    seconds = [float(m.group(1)) for m in stuck if m]
+    assert seconds and 0 < seconds[0] <= 3.5 and seconds == sorted(seconds), told
+    assert not os.path.exists(board)  # the board goes with the loader's close
+    assert not [t for t in threading.enumerate() if t.name == "wdsvlm-watchdog"]
