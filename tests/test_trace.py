@@ -14,7 +14,7 @@ from PIL import Image
 import wdsvlm
 from wdsvlm.loader.trace import TraceWriter
 from wdsvlm.pipeline.timing import STAGES, StageClock
-from wdsvlm.tools.trace_picture import LANE, WIDTH
+from wdsvlm.tools.trace_picture import LANE, WIDTH, trace_picture
 
 from .conftest import EXAMPLE, run_cli
 
@@ -232,14 +232,14 @@ def test_bench_trace_writes_a_trace_and_prints_the_diagnosis(tmp_path):
     path = str(tmp_path / "bench.json")
     run = run_cli(
         "bench", EXAMPLE, "--tokenizer", TOKENIZER, "--workers", "2", "--limit", "40",
-        "--max-length", "1024", "--batch-size", "2", "--trace", path, "--trace-steps", "5",
+        "--max-length", "1024", "--batch-size", "2", "--trace", path, "--trace-steps", "2",
         "-q", *SMALL,
     )  # fmt: skip
     assert run.returncode == 0, (run.stdout, run.stderr)
     trace = valid_trace(path)
-    assert trace["otherData"]["steps"] == 5
+    assert trace["otherData"]["steps"] == 2
     assert any(name.startswith("worker 1 (pid") for name in names(trace).values())
-    assert f"trace of the Loader's first 5 steps: {path}" in run.stdout
+    assert f"trace of the Loader's first 2 steps: {path}" in run.stdout
     assert "ui.perfetto.dev" in run.stdout and "chrome://tracing" in run.stdout
     assert "wdsvlm workers' time (" in run.stdout and "advice: " in run.stdout
 
@@ -278,3 +278,21 @@ def test_trace_draws_a_lane_per_worker_and_one_for_training(tmp_path):
     empty.write_text('{"traceEvents": []}')
     run = run_cli("trace", str(empty), "--out", out)
     assert run.returncode == 2 and "no spans" in run.stderr
+
+
+def test_stretches_that_meet_are_drawn_side_by_side(tmp_path):
+    # ts + dur of one stretch, in float microseconds, can land a hair past the next one's ts:
+    # the picture took the next for a stretch inside it (wait 107%, step -7%)
+    path = str(tmp_path / "trace.json")
+    writer = TraceWriter(path, steps=2)
+    # microseconds from a real trace: 5435164.024 + 241.44 > 5435405.464 in floats
+    writer.consumer("wait", 0.0, 5.435164024)
+    writer.consumer("loader", 5.435164024, 5.435405464)
+    writer.consumer("step", 5.435405464, 5.435905518)
+    writer.step()
+    writer.close()
+    drawn = trace_picture(path, str(tmp_path / "trace.png"))
+    (training,) = drawn["ms_per_lane"].values()
+    assert training == pytest.approx(
+        {"wait": 5435.164024, "loader": 0.24144, "step": 0.500054}, abs=1e-6
+    )

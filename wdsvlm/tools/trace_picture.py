@@ -69,7 +69,8 @@ def _nesting(spans: list[dict]) -> tuple[list[int], list[float]]:
     for i, e in enumerate(spans):
         if (e["pid"], e["tid"]) != lane:
             lane, holding = (e["pid"], e["tid"]), []
-        while holding and spans[holding[-1]]["ts"] + spans[holding[-1]]["dur"] <= e["ts"]:
+        # ended by this one's start, to the nanosecond (ts + dur in float µs is not exact)
+        while holding and spans[holding[-1]]["ts"] + spans[holding[-1]]["dur"] <= e["ts"] + 1e-3:
             holding.pop()
         if holding:
             own[holding[-1]] -= e["dur"]
