@@ -272,7 +272,14 @@ def test_trace_draws_a_lane_per_worker_and_one_for_training(tmp_path):
     assert "worker 1 (pid 2001): " in run.stdout and "wait 100%" in run.stdout
     with Image.open(out) as picture:
         assert picture.size == (WIDTH, 150 + 3 * LANE)
-    assert run_cli("trace", path, "--out", out, "--steps", "1").returncode == 0
+    # steps 1 and 2 of the training process only: its first step's wait left out
+    run = run_cli("trace", path, "--out", out, "--skip", "1", "--steps", "2")
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    waits = [e for e in spans(valid_trace(path)) if e["name"] == "wait"]
+    drawn = (waits[2]["ts"] + waits[2]["dur"] - waits[1]["ts"]) / 1000
+    assert f"spans over {drawn:.0f} ms" in run.stdout
+    run = run_cli("trace", path, "--out", out, "--skip", "3")
+    assert run.returncode == 2 and "no step 3 (it has 3)" in run.stderr
 
     empty = tmp_path / "empty.json"
     empty.write_text('{"traceEvents": []}')

@@ -270,7 +270,9 @@ def telemetry(args: argparse.Namespace):
 def trace(args: argparse.Namespace) -> None:
     from .trace_picture import trace_picture
 
-    drawn = trace_picture(args.file, args.out, args.steps)
+    if args.skip < 0:
+        raise ValueError(f"--skip must be 0 or more, not {args.skip}")
+    drawn = trace_picture(args.file, args.out, args.steps, args.skip)
     print(f"{args.out}: {drawn['lanes']} lanes, {drawn['spans']} spans over {drawn['ms']:.0f} ms")
     for lane, stages in drawn["ms_per_lane"].items():
         total = sum(stages.values()) or 1.0

@@ -79,22 +79,42 @@ def _nesting(spans: list[dict]) -> tuple[list[int], list[float]]:
     return depths, own
 
 
-def trace_picture(path: str, out: str, steps: int | None = None) -> dict[str, Any]:
-    """Draw the trace at ``path`` (its first ``steps`` steps of the training process, if
-    given) as a PNG at ``out``: what was drawn (lanes, spans, milliseconds, each lane's
-    own milliseconds per stage)."""
+def _window(spans: list[dict], skip: int, steps: int | None) -> list[dict]:
+    """The spans within the training process's steps ``skip`` to ``skip + steps`` (all from
+    ``skip`` when ``steps`` is None), cut at the window's ends."""
+    training = [e for e in spans if e.get("cat") == "training"]
+    step = [e.get("args", {}).get("step", 0) for e in training]
+    last = None if steps is None else skip + steps
+    inside = [
+        e for e, n in zip(training, step, strict=True) if n >= skip and (last is None or n < last)
+    ]
+    if not training or (skip == 0 and steps is None):
+        return spans
+    if not inside:
+        raise ValueError(
+            f"the trace's training process has no step {skip} (it has {max(step) + 1})"
+        )
+    begin = min(e["ts"] for e in inside) if skip else float("-inf")
+    cut = max(e["ts"] + e["dur"] for e in inside) if steps is not None else float("inf")
+    kept = []
+    for e in spans:
+        start, end = max(e["ts"], begin), min(e["ts"] + e["dur"], cut)
+        if end > start or (start == e["ts"] and begin <= start < cut):
+            kept.append({**e, "ts": start, "dur": max(0.0, end - start)})
+    return kept
+
+
+def trace_picture(path: str, out: str, steps: int | None = None, skip: int = 0) -> dict[str, Any]:
+    """Draw the trace at ``path`` as a PNG at ``out``: the training process's steps from
+    ``skip`` (0: the first, which holds the workers' start) on, ``steps`` of them if given;
+    what was drawn (lanes, spans, milliseconds, each lane's own milliseconds per stage)."""
     from .pictures import pyplot
 
     plt = pyplot()
     spans, lanes = read_trace(path)
     if not spans:
         raise ValueError(f"{path}: the trace has no spans (complete events) to draw")
-    if steps is not None:  # up to the end of the training process's steps-th step
-        ends = [e["ts"] + e["dur"] for e in spans if e.get("args", {}).get("step", 0) < steps
-                and e.get("cat") == "training"]  # fmt: skip
-        if ends:
-            cut = max(ends)
-            spans = [e for e in spans if e["ts"] < cut]
+    spans = _window(spans, skip, steps)
     spans.sort(key=lambda e: (e["pid"], e["tid"], e["ts"], -e["dur"]))
     colours = _colours({e["name"] for e in spans})
     bars: dict[tuple[int, str, int], list[tuple[float, float]]] = defaultdict(list)
@@ -103,6 +123,7 @@ def trace_picture(path: str, out: str, steps: int | None = None) -> dict[str, An
         row, name = lanes[e["pid"], e["tid"]]
         bars[row, e["name"], depth].append((e["ts"] / 1000, e["dur"] / 1000))
         shown[name][e["name"]] += own / 1000
+    start = min(e["ts"] for e in spans) / 1000
     end = max(e["ts"] + e["dur"] for e in spans) / 1000
     fig, ax = plt.subplots(figsize=(WIDTH / _DPI, (150 + LANE * len(lanes)) / _DPI), dpi=_DPI)
     try:
@@ -112,13 +133,13 @@ def trace_picture(path: str, out: str, steps: int | None = None) -> dict[str, An
             ax.broken_barh(ranges, (row - 0.4, 0.8), facecolors=colours[name], zorder=2 + depth)
         ax.set_yticks(range(len(lanes)), [name for _, name in sorted(lanes.values())])
         ax.set_ylim(len(lanes) - 0.5, -0.5)  # the training process on top
-        ax.set_xlim(0, end)
+        ax.set_xlim(start, end)
         ax.set_xlabel("ms from the trace's first event")
         ax.grid(axis="x", alpha=0.3, zorder=0)
         handles = [plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in colours]
         ax.legend(handles, list(colours), loc="upper left", bbox_to_anchor=(1.005, 1),
                   fontsize=8, frameon=False)  # fmt: skip
-        ax.set_title(f"{path}: {len(spans)} spans over {end:.0f} ms", fontsize=10)
+        ax.set_title(f"{path}: {len(spans)} spans over {end - start:.0f} ms", fontsize=10)
         fig.tight_layout()
         fig.savefig(out, dpi=_DPI)
     finally:
@@ -127,7 +148,7 @@ def trace_picture(path: str, out: str, steps: int | None = None) -> dict[str, An
         "picture": out,
         "lanes": len(lanes),
         "spans": len(spans),
-        "ms": end,
+        "ms": end - start,
         "ms_per_lane": {lane: dict(stages) for lane, stages in shown.items()},
     }
 
@@ -148,7 +169,14 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "--steps",
         type=positive,
         metavar="N",
-        help="draw the training process's first N steps only (default: the whole trace)",
+        help="draw N of the training process's steps only (default: the whole trace)",
+    )
+    trace.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        metavar="N",
+        help="leave out its first N steps (the first step's wait holds the workers' start)",
     )
     common_options(trace)
     return trace
