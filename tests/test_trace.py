@@ -109,7 +109,9 @@ def test_the_file_is_a_chrome_trace_with_named_lanes_and_nested_spans(tmp_path):
         writer.consumer("loader", got, handed)
         writer.consumer("step", handed, time.perf_counter())
         assert writer.step() == (step < 3)  # False: the steps are recorded, the file written
-        assert os.path.exists(path) == (step == 3)
+        if step < 3:
+            assert not os.path.exists(path)
+    writer.close()  # the file is written by a thread: close waits for it
     assert os.listdir(tmp_path) == ["trace.json"]  # the temporary file renamed, none left
     trace = valid_trace(path)
     lanes = names(trace)
@@ -151,6 +153,7 @@ def test_nothing_is_kept_after_the_steps_and_close_writes_a_short_run(tmp_path):
     assert writer.step()
     writer.consumer("wait", now + 0.01, now + 0.02)
     assert not writer.step()
+    writer.close()
     written = open(path).read()
     for later in range(1000):  # a long run goes on after the trace's steps
         writer.worker(0, 7, [("read", now + later, now + later + 1)])
@@ -188,6 +191,19 @@ def test_the_training_process_stretches_follow_each_other(tmp_path):
     writer.step()
     got = [(e["name"], e["ts"], e["dur"]) for e in spans(valid_trace(path))]
     assert got == [("wait", 0, 500_000), ("loader", 500_000, 100_000), ("step", 600_000, 0)]
+
+
+def test_a_trace_that_cannot_be_written_is_a_warning_not_an_error(tmp_path, caplog):
+    # the file is written from the training loop's step: a full disk must not stop training
+    taken = tmp_path / "taken.json"
+    taken.mkdir()  # a folder where the file should go
+    writer = TraceWriter(str(taken), steps=1)
+    now = time.perf_counter()
+    writer.consumer("wait", now, now + 0.01)
+    assert not writer.step()
+    writer.close()
+    assert "could not write the trace" in caplog.text and str(taken) in caplog.text
+    assert os.listdir(tmp_path) == ["taken.json"]  # no temporary file left
 
 
 @pytest.mark.processes
