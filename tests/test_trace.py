@@ -301,6 +301,9 @@ def test_trace_draws_a_lane_per_worker_and_one_for_training(tmp_path):
     empty.write_text('{"traceEvents": []}')
     run = run_cli("trace", str(empty), "--out", out)
     assert run.returncode == 2 and "no spans" in run.stderr
+    empty.write_text('{"events": []}')
+    run = run_cli("trace", str(empty), "--out", out)
+    assert run.returncode == 2 and "is not a Chrome trace" in run.stderr
 
 
 def test_stretches_that_meet_are_drawn_side_by_side(tmp_path):

@@ -31,7 +31,9 @@ def read_trace(path: str) -> tuple[list[dict], dict[tuple[int, int], tuple[int, 
     training process first, then the workers (by the sort index its metadata gives)."""
     with open(path, encoding="utf-8") as f:
         trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    events = trace.get("traceEvents") if isinstance(trace, dict) else trace
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise ValueError(f"{path} is not a Chrome trace: no list of events ('traceEvents')")
     names: dict[tuple[int, int], str] = {}
     order: dict[int, int] = {}
     spans = []
