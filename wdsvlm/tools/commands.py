@@ -277,4 +277,5 @@ def trace(args: argparse.Namespace) -> None:
     for lane, stages in drawn["ms_per_lane"].items():
         total = sum(stages.values()) or 1.0
         shares = sorted(stages.items(), key=lambda kv: -kv[1])
-        print(f"  {lane}: " + ", ".join(f"{name} {ms / total:.0%}" for name, ms in shares))
+        shown = [f"{name} {ms / total:.0%}" for name, ms in shares if ms / total >= 0.005]
+        print(f"  {lane}: " + ", ".join(shown))

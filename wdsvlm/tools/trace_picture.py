@@ -151,7 +151,9 @@ def trace_picture(path: str, out: str, steps: int | None = None, skip: int = 0) 
         "lanes": len(lanes),
         "spans": len(spans),
         "ms": end - start,
-        "ms_per_lane": {lane: dict(stages) for lane, stages in shown.items()},
+        "ms_per_lane": {  # in the picture's order
+            name: dict(shown[name]) for _, name in sorted(lanes.values()) if name in shown
+        },
     }
 
 
