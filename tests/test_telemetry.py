@@ -5,6 +5,7 @@ its worker and stage."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -15,6 +16,7 @@ import pytest
 
 import wdsvlm
 from wdsvlm.loader.advice import diagnose
+from wdsvlm.loader.telemetry import DataMeter
 from wdsvlm.pipeline.timing import STAGES
 
 from .conftest import EXAMPLE
@@ -159,6 +161,38 @@ def test_the_loaders_work_outside_its_iteration_is_not_the_models_step():
     assert 3 * 0.02 <= m["data/step_s"] < 3 * 0.02 * 1.5
 
 
+def report(slot: int, requests: int, seconds: float, skipped: int, **stages: float) -> dict:
+    """A worker's report as it rides on a batch: counts cumulative this epoch, stage seconds
+    since the slot's last batch."""
+    counts = {"requests": requests, "bytes": 10 * requests, "seconds": seconds}
+    return {
+        "slot": slot,
+        "skips": {"skipped": {"bad_image": skipped}, "requests": {"data": counts}},
+        "timing": {"pid": 1, "slot": slot, "seconds": stages},
+    }
+
+
+def test_the_workers_figures_add_increments_and_count_cumulative_figures_once():
+    meter = DataMeter(wdsvlm.Telemetry(hang_after_s=0), 2)
+    list(meter.timed(iter(()), 0))  # an iteration starts: the workers count afresh
+    meter.arrived(report(0, 3, 0.3, 1, map=1.0))
+    meter.arrived(report(1, 2, 0.2, 0, map=2.0))
+    meter.arrived(report(0, 5, 0.5, 1, map=1.0, read=0.5))  # slot 0: 2 requests more
+    first = meter.metrics()
+    assert first["data/map_s"] == 4.0 and first["data/read_s"] == 0.5
+    assert first["data/requests"] == 7 and first["data/bytes_read"] == 70
+    assert first["data/store_s"] == pytest.approx(0.7)
+    assert first["data/skipped"] == 1 and first["data/skipped/bad_image"] == 1
+    # a restarted Ray actor's figures that went down count from zero
+    meter.arrived(report(1, 1, 0.1, 0))
+    # the next epoch: each slot's counts start again, lower or not
+    list(meter.timed(iter(()), 0))
+    meter.arrived(report(0, 6, 0.6, 2))
+    second = meter.metrics()
+    assert second["data/requests"] == 7 and second["data/store_s"] == pytest.approx(0.7)
+    assert second["data/skipped/bad_image"] == 2 and second["data/map_s"] == 0
+
+
 # ---- advice ------------------------------------------------------------------------------
 
 
@@ -261,3 +295,16 @@ def test_a_step_held_up_names_the_worker_and_its_stage(workers, caplog):
     assert seconds and 0 < seconds[0] <= 3.5 and seconds == sorted(seconds), told
     assert not os.path.exists(board)  # the board goes with the loader's close
     assert not [t for t in threading.enumerate() if t.name == "wdsvlm-watchdog"]
+
+
+def test_the_board_goes_with_the_loader_and_telemetry_off_has_none():
+    data_loader = loader(num_workers=0, batches_per_epoch=2)
+    list(data_loader)
+    board = data_loader._meter.board.path
+    assert os.path.exists(board)
+    del data_loader
+    gc.collect()
+    assert not os.path.exists(board)
+    off = loader(num_workers=0, batches_per_epoch=2, telemetry=False)
+    list(off)
+    assert off._meter.board is None and off.stream.board is None and not off.stream.telemetry

@@ -130,7 +130,10 @@ class DataMeter:
     def prepare(self, stream: Any) -> None:
         """Before an iteration's workers start: what the stream's workers do for telemetry
         (time their stages, write the board, keep a trace's spans). The consumer asked for the
-        iteration's first batch now: starting the workers is part of its wait."""
+        iteration's first batch now: starting the workers is part of its wait. An earlier
+        iteration's watchdog stops now (one left suspended, not yet collected), before any
+        worker is forked."""
+        self.stop()
         self._begun = time.perf_counter()
         telemetry = self.telemetry
         stream.telemetry = telemetry is not None
@@ -156,8 +159,9 @@ class DataMeter:
         self._handed = 0.0  # the time since an earlier iteration is not a step
         ready = compat.ready_batches if self.num_workers and not self.ray else None
         telemetry = self.telemetry
+        watchdog = None
         if telemetry is not None and telemetry.hang_after_s:
-            self._watchdog = Watchdog(
+            watchdog = self._watchdog = Watchdog(
                 telemetry.hang_after_s, self._waited, self.board, self.slots, self._name
             )
         s = self._sum
@@ -204,9 +208,11 @@ class DataMeter:
                     del self._waits[::2]
                 index += 1
                 yield batch
-        finally:
-            self._waiting = 0.0
-            self.stop()
+        finally:  # this iteration's watchdog; a later iteration's runs on
+            if watchdog is not None:
+                watchdog.stop()
+            if self._watchdog is watchdog:
+                self._watchdog, self._waiting = None, 0.0
 
     def _waited(self) -> tuple[float, int]:
         return self._waiting, self._index

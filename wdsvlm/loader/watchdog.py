@@ -41,6 +41,8 @@ _HEADER = struct.Struct("<8s8sI4x")  # magic, token, slots
 NAMES = ("not started", "idle", *STAGES, "other")
 CODES = {name: code for code, name in enumerate(NAMES)}
 _OTHER = CODES["other"]
+_code = CODES.get
+_monotonic = time.monotonic
 
 
 class StatusBoard:
@@ -100,14 +102,16 @@ class StatusBoard:
 
     def enter(self, slot: int, stage: str) -> None:
         """The worker playing ``slot`` enters ``stage`` now (``"idle"``: between stages)."""
-        if self._stamps is None:
+        stamps = self._stamps
+        if stamps is None:
             if self._opened or not self._open():
                 return
+            stamps = self._stamps
         if slot != self._slot:
             self._slot = slot
             self._pids[slot] = os.getpid()
-        self._stamps[slot] = time.monotonic()
-        self._codes[slot] = CODES.get(stage, _OTHER)
+        stamps[slot] = _monotonic()
+        self._codes[slot] = _code(stage, _OTHER)
 
     def read(self) -> list[tuple[str, float, int]] | None:
         """Each slot's ``(stage, seconds in it, pid)`` now (pid 0: no process entered it);
