@@ -151,7 +151,7 @@ USER_PAGES = ["README.md"] + [
         "loading.md families.md trainers.md training.md multi-node.md evaluation.md "
         "troubleshooting.md writing.md mixtures.md video.md storage.md ray-workers.md ray.md "
         "format.md cli.md glossary.md recipes.md scaling.md unsupported.md pretraining.md "
-        "cloud.md"
+        "cloud.md monitoring.md"
     ).split()
 ]
 SHORT_SENTENCE_PAGES = ["README.md", "docs/loading.md", "docs/families.md", "docs/trainers.md"]
