@@ -11,7 +11,10 @@ handing over (shared memory, the pin-memory thread) and, without workers, the wh
 the Loader's *own work* runs from then until the batch is handed to the consumer (its stats,
 counts), plus ``work()`` stretches outside the iteration (the Trainer's ``model_inputs``); the
 *step* is the rest of the time between handing a batch over and asking for the next: the
-model's. Cost: a few ``perf_counter`` calls and a float appended per step; per sample nothing.
+model's. An iteration's first wait holds the start of its workers (and of a local Ray); on
+Ray, the copy of a batch into pinned memory is part of the wait. Cost: a few ``perf_counter``
+calls, two small sums over the batch (its real and supervised tokens) and a float appended per
+step; per sample nothing (the board's two stores per stage change are the workers').
 """
 
 from __future__ import annotations
@@ -42,10 +45,12 @@ class Telemetry:
     """Steps over which the advice looks at the share of time spent waiting."""
     advice_wait: float = 0.10
     """The share of a window's time waiting for data above which one line of advice is
-    logged (the stage that dominates, what to change)."""
+    logged, on rank 0 (the stage that dominates, what to change: ``advice.diagnose``); the
+    same advice again only every 10 windows."""
     hang_after_s: float = 120.0
     """A step waiting longer than this logs which worker holds it and the stage each worker
-    is in, with how long (again every ``hang_after_s``); 0: never."""
+    is in, with how long (again every ``hang_after_s``), on any rank (``watchdog.py``); 0:
+    never (no board, no watchdog thread)."""
     trace: str | None = None
     """A path: the first ``trace_steps`` steps are written there as a Chrome/Perfetto trace
     (JSON trace events: each worker's stages, the training process's waits and steps)."""
