@@ -257,7 +257,11 @@ def test_bench_trace_writes_a_trace_and_prints_the_diagnosis(tmp_path):
     assert any(name.startswith("worker 1 (pid") for name in names(trace).values())
     assert f"trace of the Loader's first 2 steps: {path}" in run.stdout
     assert "ui.perfetto.dev" in run.stdout and "chrome://tracing" in run.stdout
-    assert "wdsvlm workers' time (" in run.stdout and "advice: " in run.stdout
+    assert (
+        "the Loader's pipeline, " in run.stdout
+        and " s in 2 workers: " in run.stdout
+        and "advice: " in run.stdout
+    )
 
     run = run_cli(
         "bench", EXAMPLE, "--tokenizer", TOKENIZER, "--workers", "1", "--limit", "20",

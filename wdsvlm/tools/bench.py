@@ -196,6 +196,7 @@ def diagnosis(metrics: Mapping[str, float], workers: int) -> dict:
 
     return {
         "wait_fraction": metrics.get("data/wait_fraction"),
+        "workers": workers,
         "worker_seconds": sum(metrics.get(f"data/{stage}_s", 0.0) for stage in STAGES),
         "stage_shares": stage_shares(metrics),
         "advice": diagnose(metrics, workers, None) if metrics else None,
@@ -211,7 +212,10 @@ def diagnosis_lines(telemetry: Mapping[str, Any]) -> list[str]:
         parts = ", ".join(
             f"{stage} {share:.0%}" for stage, share in shares.items() if share >= 0.005
         )
-        lines.append(f"wdsvlm workers' time ({telemetry['worker_seconds']:.1f} s): {parts}")
+        workers = telemetry["workers"]
+        where = f"{workers} workers" if workers else "the training process (no workers)"
+        seconds = telemetry["worker_seconds"]
+        lines.append(f"the Loader's pipeline, {seconds:.1f} s in {where}: {parts}")
     if telemetry["wait_fraction"] is not None:
         lines.append(
             f"the loop (no model step) waited for batches {telemetry['wait_fraction']:.0%} "
