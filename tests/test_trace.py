@@ -188,7 +188,8 @@ def test_the_training_process_stretches_follow_each_other(tmp_path):
     writer.consumer("wait", 10.0, 10.5)
     writer.consumer("loader", 10.4999, 10.6)
     writer.consumer("step", 10.6, 10.59)  # an end read before the start
-    writer.step()
+    assert not writer.step()
+    writer.close()  # written by a thread: close waits for it
     got = [(e["name"], e["ts"], e["dur"]) for e in spans(valid_trace(path))]
     assert got == [("wait", 0, 500_000), ("loader", 500_000, 100_000), ("step", 600_000, 0)]
 
@@ -285,6 +286,7 @@ def test_trace_draws_a_lane_per_worker_and_one_for_training(tmp_path):
         writer.worker(step % 2, 2000 + step % 2, worker_spans(StageClock(slot=step % 2), 2))
         writer.consumer("wait", started, time.perf_counter())
         writer.step()
+    writer.close()
     out = str(tmp_path / "trace.png")
     run = run_cli("trace", path, "--out", out)
     assert run.returncode == 0, (run.stdout, run.stderr)
