@@ -107,23 +107,18 @@ def close_forkserver_alive_fd() -> None:
         server._forkserver_alive_fd = None  # a server this worker would start is its own
 
 
-_libc: list = []  # loaded once, where there is one
-
-
+@functools.cache
 def libc() -> Any:
-    """The C library (Linux: ``madvise`` and ``prctl`` are called through it), loaded once,
-    or None where there is none to call."""
-    if not _libc:
-        found = None
-        if sys.platform == "linux":
-            try:
-                found = ctypes.CDLL(None, use_errno=True)
-                found.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                found.madvise.restype = ctypes.c_int
-            except (OSError, AttributeError):  # no C library to call
-                found = None
-        _libc.append(found)
-    return _libc[0]
+    """The C library (Linux: ``madvise``, ``prctl`` are called through it), loaded once."""
+    if sys.platform != "linux":
+        return None
+    try:
+        found = ctypes.CDLL(None, use_errno=True)
+        found.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        found.madvise.restype = ctypes.c_int
+    except (OSError, AttributeError):  # no C library to call
+        return None
+    return found
 
 
 def subcommands(parser: Any) -> Any:
@@ -192,19 +187,11 @@ def shutdown_workers(batches: Any) -> None:
 
 
 def ready_batches(batches: Any) -> int:
-    """The batches a DataLoader iterator's workers have handed over and the training process
-    has not taken yet: those in its data queue (after the pin-memory thread, if any) and those
-    that came out of order and wait in its task table. 0 where it cannot tell (no workers, a
-    torch without these names)."""
-    queue = getattr(batches, "_data_queue", None)
-    tasks = getattr(batches, "_task_info", None)
-    if queue is None or not isinstance(tasks, dict):
-        return 0
+    """Batches a DataLoader iterator's workers made, queued or come early, not yet taken."""
     try:
-        waiting = queue.qsize()
-    except (NotImplementedError, OSError):  # macOS: no sem_getvalue
-        return 0
-    return waiting + sum(1 for task in tasks.values() if len(task) == 2)
+        return batches._data_queue.qsize() + sum(len(t) == 2 for t in batches._task_info.values())
+    except (AttributeError, NotImplementedError, OSError):  # no workers; macOS: no qsize()
+        return 0  # cannot tell
 
 
 # ---- transformers: the Trainer's private methods, the attention and weight-name registries --
