@@ -20,6 +20,7 @@ step; per sample nothing (the board's two stores per stage change are the worker
 from __future__ import annotations
 
 import logging
+import re
 import time
 import weakref
 from collections.abc import Iterator, Mapping
@@ -339,7 +340,7 @@ class DataMeter:
         if text is None:
             self._told = (last, windows + 1)
             return
-        kind = "".join("#" if c.isdigit() else c for c in text)
+        kind = re.sub(r"\d+", "#", text)  # the same advice, whatever its figures
         if kind == last and windows + 1 < _REPEAT_EVERY:
             self._told = (last, windows + 1)  # said lately: not again every window
             return
