@@ -9,8 +9,10 @@ import gc
 import logging
 import os
 import re
+import tempfile
 import threading
 import time
+import types
 
 import pytest
 
@@ -308,3 +310,19 @@ def test_the_board_goes_with_the_loader_and_telemetry_off_has_none():
     off = loader(num_workers=0, batches_per_epoch=2, telemetry=False)
     list(off)
     assert off._meter.board is None and off.stream.board is None and not off.stream.telemetry
+
+
+def test_a_node_folder_that_cannot_hold_the_board_falls_back_to_the_temporary_folder(tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    meter = DataMeter(wdsvlm.Telemetry(), 2, folder=str(blocked / "node"))
+    stream = types.SimpleNamespace()
+    meter.prepare(stream)
+    assert stream.board is meter.board and stream.telemetry and stream.trace_batches == 0
+    assert os.path.dirname(meter.board.path) == tempfile.gettempdir()
+    meter.board.enter(1, "decode_video")
+    (_, never, pid0), (stage, seconds, pid) = meter.board.read()
+    assert stage == "decode_video" and 0 <= seconds < 1 and pid == os.getpid() and pid0 == 0
+    path = meter.board.path
+    meter.close()
+    assert not os.path.exists(path)

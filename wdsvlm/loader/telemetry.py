@@ -144,8 +144,9 @@ class DataMeter:
         telemetry = self.telemetry
         stream.telemetry = telemetry is not None
         if telemetry is not None and telemetry.hang_after_s and self.board is None:
-            self.board = StatusBoard.create(self.folder or _default_folder(), self.slots)
-            self._held.append(self.board)
+            self.board = _new_board(self.folder, self.slots)
+            if self.board is not None:
+                self._held.append(self.board)
         stream.board = self.board
         stream.trace_batches = 0
         if telemetry is not None and telemetry.trace and not self._traced:
@@ -363,10 +364,17 @@ def meter_of(settings: Any, worker_config: Any) -> DataMeter:
     )
 
 
-def _default_folder() -> str:
-    from ..storage.folders import node_folder
+def _new_board(folder: str | None, slots: int) -> StatusBoard | None:
+    """A board in the node folder, else in the temporary folder; None (hangs are still told,
+    without the workers' stages) where neither can hold one."""
+    import tempfile
 
-    return node_folder()
+    for where in (folder, tempfile.gettempdir()):
+        try:
+            return StatusBoard.create(where or tempfile.gettempdir(), slots)
+        except OSError as e:
+            log.debug("no status board in %s: %s", where, e)
+    return None
 
 
 def _release(held: list) -> None:
