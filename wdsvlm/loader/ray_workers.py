@@ -245,11 +245,11 @@ def carried_over(before: dict, after: dict) -> dict:
     to the length a stream keeps; the packing ratios are computed again. The stage seconds
     (``timing``) are each batch's own, since the slot's batch before: ``after``'s as they are."""
     out = _added(before, after)
-    for key in ("slot", "timing"):
-        if key in after:
-            out[key] = after[key]
-        else:
-            out.pop(key, None)
+    if "slot" in after:
+        out["slot"] = after["slot"]
+    out.pop("timing", None)  # not added: each batch's own
+    if "timing" in after:
+        out["timing"] = after["timing"]
     packing, was, now = out.get("packing"), before.get("packing"), after.get("packing")
     if isinstance(packing, dict) and isinstance(was, dict) and isinstance(now, dict):
         packs = packing.get("packs", 0)
