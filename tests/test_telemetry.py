@@ -261,6 +261,25 @@ def test_a_run_that_waits_logs_one_line_of_advice(caplog):
     assert "in your map= function" in advice[0]
 
 
+def test_the_workers_start_is_counted_but_not_weighed_by_the_advice(caplog):
+    import torch
+
+    def batches():
+        time.sleep(0.3)  # the workers start
+        for _ in range(8):
+            yield {"labels": torch.zeros(1, 4), "attention_mask": torch.ones(1, 4)}
+
+    meter = DataMeter(wdsvlm.Telemetry(window=4, hang_after_s=0), 2)
+    meter.prepare(types.SimpleNamespace())
+    with caplog.at_level(logging.WARNING, logger="wdsvlm.loader"):
+        for batch in meter.timed(batches(), 0):
+            meter.handed(batch, 1, 4)
+            time.sleep(0.02)  # the model's step
+    assert not caplog.records  # steady, the steps did not wait
+    m = meter.metrics()
+    assert m["data/wait_max_s"] >= 0.3 and m["data/wait_fraction"] > 0.5
+
+
 # ---- hangs ---------------------------------------------------------------------------------
 
 

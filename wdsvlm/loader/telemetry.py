@@ -47,7 +47,8 @@ class Telemetry:
     advice_wait: float = 0.10
     """The share of a window's time waiting for data above which one line of advice is
     logged, on rank 0 (the stage that dominates, what to change: ``advice.diagnose``); the
-    same advice again only every 10 windows."""
+    same advice again only every 10 windows. The first wait of an iteration (its workers'
+    start) is not weighed."""
     hang_after_s: float = 120.0
     """A step waiting longer than this logs which worker holds it and the stage each worker
     is in, with how long (again every ``hang_after_s``), on any rank (``watchdog.py``); 0:
@@ -173,6 +174,7 @@ class DataMeter:
             )
         s = self._sum
         clock = time.perf_counter
+        starting = True
         try:
             while True:
                 asked = self._asked = self._begun or clock()
@@ -213,6 +215,9 @@ class DataMeter:
                     self._max_wait = wait
                 if len(self._waits) > _KEEP_WAITS:
                     del self._waits[::2]
+                if starting:  # the workers' start: in the figures, not weighed by the advice
+                    self._window_mark["data/wait_s"] += wait
+                    starting = False
                 index += 1
                 yield batch
         finally:  # this iteration's watchdog; a later iteration's runs on
