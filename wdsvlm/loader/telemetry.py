@@ -169,9 +169,10 @@ class DataMeter:
         telemetry = self.telemetry
         watchdog = None
         if telemetry is not None and telemetry.hang_after_s:
-            watchdog = self._watchdog = Watchdog(
-                telemetry.hang_after_s, self._waited, self.board, self.slots, self._name
-            )
+            # an actor on another node cannot map this node's board: its stage is unknown
+            unseen = "not started, or on another node (stage unknown)" if self.ray else ""
+            args = self._waited, self.board, self.slots, self._name
+            watchdog = self._watchdog = Watchdog(telemetry.hang_after_s, *args, unseen=unseen)
         s = self._sum
         clock = time.perf_counter
         starting = True

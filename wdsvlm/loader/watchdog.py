@@ -148,7 +148,11 @@ class StatusBoard:
 
 
 def describe(
-    board: StatusBoard | None, slot: int, workers: int, names: Callable[[int], str]
+    board: StatusBoard | None,
+    slot: int,
+    workers: int,
+    names: Callable[[int], str],
+    unseen: str = "has not started its stream",
 ) -> str:
     """Each worker's stage and how long it has been in it, the one holding the step first."""
     read = board.read() if board is not None else None
@@ -160,7 +164,7 @@ def describe(
         stage, seconds, pid = read[s]
         who = f"{names(s)} (pid {pid})" if pid else names(s)
         if stage == "not started":
-            parts.append(f"{who}: has not started its stream")
+            parts.append(f"{who}: {unseen}")
         else:
             parts.append(f"{who}: in {stage} for {seconds:.1f} s")
     return "; ".join(parts)
@@ -181,12 +185,14 @@ class Watchdog:
         board: StatusBoard | None,
         workers: int,
         names: Callable[[int], str],
+        unseen: str = "",
     ):
         self.after = after
         self.waiting = waiting
         self.board = board
         self.workers = max(1, workers)
         self.names = names
+        self.unseen = unseen or "has not started its stream"  # a worker never on the board
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="wdsvlm-watchdog", daemon=True)
         self._thread.start()
@@ -211,7 +217,7 @@ class Watchdog:
                 index,
                 waited,
                 self.names(slot),
-                describe(self.board, slot, self.workers, self.names),
+                describe(self.board, slot, self.workers, self.names, self.unseen),
                 self.after,
             )
 
