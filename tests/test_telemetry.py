@@ -345,3 +345,16 @@ def test_a_node_folder_that_cannot_hold_the_board_falls_back_to_the_temporary_fo
     path = meter.board.path
     meter.close()
     assert not os.path.exists(path)
+
+
+def test_a_board_left_by_a_killed_training_process_is_removed_by_the_next(tmp_path):
+    from wdsvlm.loader.watchdog import StatusBoard
+
+    gone = 2**22 + 1  # over the largest pid_max Linux allows: no such process
+    left = tmp_path / f"status-{gone}-abc.board"
+    left.write_bytes(b"")
+    alive = tmp_path / f"status-{os.getpid()}-abc.board"
+    alive.write_bytes(b"")
+    board = StatusBoard.create(str(tmp_path), 1)
+    assert not left.exists() and alive.exists() and os.path.exists(board.path)
+    board.remove()

@@ -65,8 +65,9 @@ class StatusBoard:
     def create(cls, folder: str, slots: int) -> StatusBoard:
         """A new board for ``slots`` workers in ``folder`` (made if missing)."""
         os.makedirs(folder, exist_ok=True)
+        _remove_orphans(folder)
         token = os.urandom(8)
-        fd, path = tempfile.mkstemp(prefix="status-", suffix=".board", dir=folder)
+        fd, path = tempfile.mkstemp(prefix=f"status-{os.getpid()}-", suffix=".board", dir=folder)
         try:
             os.write(fd, _HEADER.pack(_MAGIC, token, slots) + bytes(16 * slots))
         finally:
@@ -144,6 +145,24 @@ class StatusBoard:
         try:
             os.unlink(self.path)
         except FileNotFoundError:
+            pass
+
+
+def _remove_orphans(folder: str) -> None:
+    """Remove the boards of training processes that are gone (killed before their Loader could
+    remove its board): each board's name holds the pid of the process that made it."""
+    for name in os.listdir(folder):
+        if not (name.startswith("status-") and name.endswith(".board")):
+            continue
+        pid = name.split("-")[1]
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(folder, name))
+            except FileNotFoundError:  # another Loader of the node removed it first
+                pass
+        except (ValueError, OSError):  # not a board of ours, or alive under another user
             pass
 
 
