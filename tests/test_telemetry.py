@@ -353,8 +353,12 @@ def test_a_board_left_by_a_killed_training_process_is_removed_by_the_next(tmp_pa
     gone = 2**22 + 1  # over the largest pid_max Linux allows: no such process
     left = tmp_path / f"status-{gone}-abc.board"
     left.write_bytes(b"")
+    recent = tmp_path / f"status-{gone}-def.board"  # another pid namespace's, in use
+    recent.write_bytes(b"")
+    os.utime(left, (time.time() - 7200, time.time() - 7200))
     alive = tmp_path / f"status-{os.getpid()}-abc.board"
     alive.write_bytes(b"")
     board = StatusBoard.create(str(tmp_path), 1)
-    assert not left.exists() and alive.exists() and os.path.exists(board.path)
+    assert not left.exists() and recent.exists() and alive.exists()
+    assert os.path.exists(board.path)
     board.remove()

@@ -42,6 +42,7 @@ NAMES = ("not started", "idle", *STAGES, "other")
 CODES = {name: code for code, name in enumerate(NAMES)}
 _OTHER = CODES["other"]
 _code = CODES.get
+_ORPHAN_AFTER_S = 3600.0
 _monotonic = time.monotonic
 
 
@@ -150,16 +151,19 @@ class StatusBoard:
 
 def _remove_orphans(folder: str) -> None:
     """Remove the boards of training processes that are gone (killed before their Loader could
-    remove its board): each board's name holds the pid of the process that made it."""
+    remove its board): each board's name holds the pid of the process that made it. Only
+    boards untouched for an hour: a process of another pid namespace sharing the folder looks
+    gone from here, and its workers' writes keep its board's time recent."""
     for name in os.listdir(folder):
         if not (name.startswith("status-") and name.endswith(".board")):
             continue
-        pid = name.split("-")[1]
+        path = os.path.join(folder, name)
         try:
-            os.kill(int(pid), 0)
+            os.kill(int(name.split("-")[1]), 0)
         except ProcessLookupError:
             try:
-                os.unlink(os.path.join(folder, name))
+                if os.stat(path).st_mtime < time.time() - _ORPHAN_AFTER_S:
+                    os.unlink(path)
             except FileNotFoundError:  # another Loader of the node removed it first
                 pass
         except (ValueError, OSError):  # not a board of ours, or alive under another user
