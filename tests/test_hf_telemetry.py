@@ -115,6 +115,27 @@ def test_the_figures_reach_tensorboard_and_the_console(run):
     assert "'data/wait_fraction'" in console and "'data/steps'" in console
 
 
+def test_with_gradient_accumulation_a_logs_figures_count_every_batch_of_its_steps(tmp_path):
+    processor = tiny_processor("qwen2_5_vl")
+    loader = wdsvlm.Loader(DATA, processor=processor, max_length=1024, batch_size=2)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        logging_steps=1,
+        gradient_accumulation_steps=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="no",
+    )
+    model = tiny_model("qwen2_5_vl", processor)
+    trainer = wdsvlm.hf.Trainer(model=model, args=args, loader=loader)
+    trainer.train()
+    loader.close()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["data/steps"] for h in logs] == [2.0, 2.0]  # batches: 1 step x 2 accumulated
+
+
 @pytest.mark.processes
 def test_the_monitoring_pages_loop_prints_each_intervals_figures(monkeypatch, capsys):
     """docs/monitoring.md's loop: a toy model's steps on 2 workers; every 5 steps it prints
