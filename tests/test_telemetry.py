@@ -124,6 +124,20 @@ def test_the_wait_and_the_step_are_measured_where_they_happen(workers):
     assert not [t for t in threading.enumerate() if t.name == "wdsvlm-watchdog"]
 
 
+@pytest.mark.processes
+@pytest.mark.timeout(180)
+def test_batches_ready_counts_what_the_workers_made_ahead_of_a_slow_step():
+    # 2 workers, 2 batches each in flight: behind a slow step the DataLoader holds up to 4
+    data_loader = loader(num_workers=2, batches_per_epoch=8, prefetch_factor=2)
+    try:
+        train(data_loader, step=0.5)
+        m = data_loader.metrics()
+    finally:
+        data_loader.close()
+    assert 1.5 <= m["data/batches_ready"] <= 4, m["data/batches_ready"]
+    assert m["data/wait_p50_s"] < 0.05  # the steps found their batches made
+
+
 def test_metrics_are_per_interval_and_named_under_data():
     data_loader = loader(num_workers=0, batches_per_epoch=6)
     batches = iter(data_loader)
