@@ -213,6 +213,7 @@ PUBLIC = {
     "Loader",
     "LoaderSettings",
     "RayWorkers",
+    "Telemetry",
     "Source",
     "ReadPolicy",
     "model_inputs",
