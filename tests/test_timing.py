@@ -11,6 +11,7 @@ import copy
 import functools
 import os
 import pickle
+import struct
 import time
 
 import pytest
@@ -221,15 +222,22 @@ def test_a_restarted_ray_workers_timing_is_its_own_and_its_request_seconds_add_u
 
 
 def sleepy(calls: str, sample: dict, rng) -> dict:
-    """A map= of a known cost: 20 ms a sample; each call leaves a byte in ``calls``."""
+    """A map= of a known cost: 20 ms a sample; each call adds how long it slept to ``calls``
+    (a busy machine wakes a sleeper late: what it took is the truth)."""
+    start = time.perf_counter()
     time.sleep(MAP_SLEEP)
     with open(calls, "ab") as f:
-        f.write(b".")
+        f.write(struct.pack("d", time.perf_counter() - start))
     return sample
 
 
-def calls_in(path: str) -> int:
-    return os.path.getsize(path) if os.path.exists(path) else 0
+def calls_in(path: str) -> list[float]:
+    """The seconds of each call of ``sleepy`` that wrote to ``path``."""
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        data = f.read()
+    return list(struct.unpack(f"{len(data) // 8}d", data))
 
 
 def recording(loader: wdsvlm.Loader) -> list[dict]:
@@ -253,7 +261,7 @@ def stage_seconds(reports: list[dict]) -> dict[str, float]:
     return total
 
 
-def mapped_epoch(data: str, calls: str, **options) -> tuple[list[dict], int, float]:
+def mapped_epoch(data: str, calls: str, **options) -> tuple[list[dict], list[float], float]:
     """One epoch with the sleepy map: the reports, the map's calls while it ran, the wall
     time of its iteration."""
     loader = wdsvlm.Loader(
@@ -261,18 +269,20 @@ def mapped_epoch(data: str, calls: str, **options) -> tuple[list[dict], int, flo
     )
     reports = recording(loader)
     len(loader)  # sized before the calls are counted
-    before, start = calls_in(calls), time.perf_counter()
+    before, start = len(calls_in(calls)), time.perf_counter()
     batches = sum(1 for _ in loader)
     elapsed = time.perf_counter() - start
     assert batches == len(reports) > 0
-    return reports, calls_in(calls) - before, elapsed
+    return reports, calls_in(calls)[before:], elapsed
 
 
-def check_map_seconds(reports: list[dict], calls: int) -> dict[str, float]:
+def check_map_seconds(reports: list[dict], calls: list[float]) -> dict[str, float]:
+    """The map's seconds over the reports: at least 20 ms a call, and within 10% of what the
+    calls took by their own clock."""
     seconds = stage_seconds(reports)
-    assert calls > 10
-    truth = MAP_SLEEP * calls
-    assert truth <= seconds["map"] <= 1.1 * truth, (seconds["map"], truth)
+    assert len(calls) > 10 and min(calls) >= MAP_SLEEP
+    truth = sum(calls)
+    assert truth <= seconds["map"] <= 1.1 * truth, (seconds["map"], truth, MAP_SLEEP * len(calls))
     assert all(set(r["timing"]["seconds"]) <= set(STAGES) for r in reports)
     return seconds
 
@@ -319,23 +329,36 @@ def test_telemetry_off_ships_no_timing(store):
     assert loader.stream.collate.clock is None and loader.stream.read.clock is None
 
 
-def test_a_late_stores_requests_are_counted_as_it_counts_them_with_their_seconds(store):
-    """A store that answers each ranged request 50 ms late: the requests the reports count
-    are the store's own, and their seconds add up to 50 ms each (at most 10% more); the
-    worker waited on the store at least that long."""
+def store_epoch(store: str, delay: float) -> tuple[list[dict], dict, int]:
+    """One epoch from the range server answering ``delay`` late: the reports, what the server
+    counted of the dataset's files, and its ranged requests (those it delays)."""
     from .test_request_stats import served, snapshot
 
-    with range_server(store, delay=STORE_DELAY) as server:
+    with range_server(store, delay=delay) as server:
         loader = wdsvlm.Loader(f"{server.url}/coco", TOKENIZER, **SETTINGS)
         reports = recording(loader)
         before, ranged = snapshot(server), server.requests
         assert sum(1 for _ in loader) == len(reports) > 0
-        expected, ranged = served(server, before, "coco"), server.requests - ranged
+        return reports, served(server, before, "coco"), server.requests - ranged
+
+
+def test_a_late_stores_requests_are_counted_as_it_counts_them_with_their_seconds(store):
+    """A store that answers each ranged request 50 ms late: the requests the reports count
+    are the store's own, and their seconds add up to 50 ms each, within 10% (beyond what the
+    same requests take from a store that answers at once: the client's and server's own
+    time, which a busy machine stretches); the worker waited on the store that long."""
+    reports, expected, ranged = store_epoch(store, STORE_DELAY)
     requests = reports[-1]["skips"]["requests"]["coco"]  # counted since the epoch began
     assert {k: requests[k] for k in RequestCounts.COUNTS} == expected
     assert ranged > 5 and requests["cache_hits"] == 0
+    at_once = store_epoch(store, 0.0)[0][-1]["skips"]["requests"]["coco"]
+    assert at_once["requests"] == requests["requests"]
     truth = STORE_DELAY * ranged
-    assert truth <= requests["seconds"] <= 1.1 * truth, (requests["seconds"], truth)
+    assert truth <= requests["seconds"] <= 1.1 * truth + at_once["seconds"], (
+        requests["seconds"],
+        truth,
+        at_once["seconds"],
+    )
     assert stage_seconds(reports)["read_wait"] >= requests["seconds"]  # read inline (read_ahead 0)
 
 
