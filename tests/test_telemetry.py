@@ -179,6 +179,20 @@ def test_the_loaders_work_outside_its_iteration_is_not_the_models_step():
     assert 3 * 0.02 <= m["data/step_s"] < 3 * 0.02 * 1.5
 
 
+def test_time_that_is_neither_the_loaders_nor_the_steps_is_left_out():
+    data_loader = loader(num_workers=0, batches_per_epoch=3)
+    for _ in data_loader:
+        with data_loader._meter.work(loader=False):  # as the Trainer's evaluation
+            time.sleep(0.1)
+        time.sleep(0.02)
+    m = data_loader.metrics()
+    assert m["data/loader_s"] < 0.05
+    assert 3 * 0.02 <= m["data/step_s"] < 3 * 0.02 * 1.5
+    assert m["data/wait_fraction"] == pytest.approx(
+        m["data/wait_s"] / (m["data/wait_s"] + m["data/loader_s"] + m["data/step_s"])
+    )
+
+
 def report(slot: int, requests: int, seconds: float, skipped: int, **stages: float) -> dict:
     """A worker's report as it rides on a batch: counts cumulative this epoch, stage seconds
     since the slot's last batch."""

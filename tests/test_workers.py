@@ -600,3 +600,24 @@ def test_a_worker_killed_mid_epoch_is_an_error_within_seconds(context):
     bound = 12.0 if context == "forkserver" else 3.0
     assert took < bound, f"{context}: the error came {took:.1f} s after the worker died"
     loader.close()
+
+
+@pytest.mark.processes
+def test_a_script_that_leaves_an_iteration_open_exits_without_a_traceback(tmp_path):
+    # the iteration's generators are closed at interpreter exit, when modules are torn down:
+    # stopping its workers and its hang watchdog then must not raise
+    script = tmp_path / "open.py"
+    script.write_text(
+        "import wdsvlm\n"
+        'if __name__ == "__main__":\n'
+        f"    loader = wdsvlm.Loader({EXAMPLE!r}, {TOKENIZER!r}, num_workers=2, **{SMALL!r})\n"
+        "    batches = iter(loader)\n"
+        "    next(batches)\n"
+        '    print("one batch", flush=True)\n'
+    )
+    run = run_process(
+        [sys.executable, str(script)], timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout == "one batch\n"
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr

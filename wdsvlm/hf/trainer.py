@@ -130,9 +130,10 @@ class LoaderTrainerMixin:
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         if isinstance(dataset, str) and isinstance(self.eval_dataset, dict):
             dataset = self.eval_dataset[dataset]  # one of several, by name (Trainer.evaluate)
-        if isinstance(dataset, Loader):
-            return trainer_evaluate(self, dataset, metric_key_prefix)
-        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        with self.loader._meter.work(loader=False):  # not the training steps' time
+            if isinstance(dataset, Loader):
+                return trainer_evaluate(self, dataset, metric_key_prefix)
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         check_ranks(self)

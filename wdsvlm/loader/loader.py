@@ -262,8 +262,9 @@ class Loader:
         """Stop the workers of ``iteration`` now (and their read-ahead threads): the
         DataLoader's processes and the shared memory of the batches they hold, or the Ray
         actors; an iteration after this starts new ones. Not those of a later iteration: an
-        older one's generator may be collected, and end, while a later one runs."""
-        if iteration is not self._iteration:
+        older one's generator may be collected, and end, while a later one runs; nor at
+        interpreter exit (modules torn down: ``compat`` is None), when the workers go anyway."""
+        if iteration is not self._iteration or compat is None:
             return
         self._batches = self._iteration = None
         self._meter.stop()
@@ -383,11 +384,10 @@ class Loader:
         self._restart_workers()
 
     def stats(self) -> dict:
-        """For the batches of this epoch yielded so far on this rank: fill ratio of the
-        packed rows, samples and tiles per pack, tiles-per-batch spread; and, all workers
-        together, drops, truncations and skipped samples (counts, and up to 10
-        ``"SHARD/KEY"`` per reason and worker) in what the workers read this epoch; and per
-        source, ``"requests"``: its reads' requests, bytes, throttled answers and retries."""
+        """For the batches of this epoch yielded so far on this rank: fill ratio of the packed
+        rows, samples and tiles per pack, tiles-per-batch spread; and, all workers together,
+        drops, truncations and skipped samples (counts, and up to 10 ``"SHARD/KEY"`` per reason
+        and worker) in what the workers read this epoch; and per source, ``"requests"``."""
         return epoch_stats(self._yielded, self._worker_stats, self.settings.max_length)
 
     def metrics(self, reset: bool = True) -> dict[str, float]:

@@ -303,15 +303,16 @@ class DataMeter:
             self._trace.consumer("loader", self._arrived, handed)
 
     @contextmanager
-    def work(self) -> Iterator[None]:
+    def work(self, loader: bool = True) -> Iterator[None]:
         """Work done for the Loader in the training process outside its iteration (the
-        Trainer's ``model_inputs``): counted as the Loader's, not as the model's."""
+        Trainer's ``model_inputs``): counted as the Loader's, not as the model's step;
+        ``loader=False``: neither (the Trainer's evaluation between two steps), left out."""
         start = time.perf_counter()
         try:
             yield
         finally:
             seconds = time.perf_counter() - start
-            self._sum["data/loader_s"] += seconds
+            self._sum["data/loader_s"] += seconds if loader else 0.0
             self._worked += seconds
 
     # -- figures ----------------------------------------------------------------------------

@@ -246,7 +246,11 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not threading.current_thread():
+        try:
+            other = self._thread is not threading.current_thread()
+        except (AttributeError, TypeError):  # at interpreter exit: the modules are torn down
+            return
+        if other:
             self._thread.join()
 
 
