@@ -252,7 +252,8 @@ def bench(args: argparse.Namespace) -> None:
     print(json.dumps(result, indent=2) if args.json else table(result))
     if args.trace and not args.json:
         print(
-            f"trace of the Loader's first {args.trace_steps} steps: {args.trace} (open it in "
+            f"trace of the Loader's first {min(args.trace_steps, result['wdsvlm']['batches'])} "
+            f"steps: {args.trace} (open it in "
             f"ui.perfetto.dev or chrome://tracing; a picture: wdsvlm trace {args.trace} --out "
             "trace.png)"
         )
