@@ -390,6 +390,25 @@ def test_ranges_the_cache_serves_are_counted_as_hits(store, tmp_path):
     assert again.figures() == {**again.as_dict(), "cache_hits": 1, "seconds": 0.0}
 
 
+def test_video_decoding_is_charged_as_decode_video(tmp_path):
+    from wdsvlm.testing.qwen import qwen_processor
+    from wdsvlm.testing.videos import SPECS, make_video
+
+    from .conftest import write_jsonl
+
+    (tmp_path / "v.mp4").write_bytes(make_video(SPECS[0]))
+    turn = [{"from": "human", "value": "<video> moves?"}, {"from": "gpt", "value": "A bar."}]
+    records = [{"id": f"v{i}", "video": "v.mp4", "conversations": turn} for i in range(4)]
+    data = str(tmp_path / "out")
+    wdsvlm.write_dataset(write_jsonl(str(tmp_path / "in.jsonl"), records), data, progress=False)
+    settings = {"max_length": 1024, "batch_size": 2, "shuffle_buffer": 4, "pack_window": 8}
+    loader = wdsvlm.Loader(data, processor=qwen_processor("qwen2_5_vl"), **settings)
+    reports = recording(loader)
+    assert sum(1 for _ in loader) == len(reports) > 0
+    seconds = stage_seconds(reports)
+    assert seconds["decode_video"] > 0 and seconds["decode_image"] == 0
+
+
 # Ray: a local Ray of 2 CPUs in a network namespace of its own (tests/test_ray.py's run_job)
 
 
