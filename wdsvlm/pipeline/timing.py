@@ -29,7 +29,8 @@ from typing import Any
 # The stages a worker's seconds are charged to, in pipeline order, with what each holds.
 STAGES = {
     "read": "taking samples out of the bytes read (tar members, layouts)",
-    "read_wait": "waiting for the store: reads the read-ahead threads had not finished",
+    "read_wait": "waiting for the store: reads the read-ahead threads had not finished "
+    "(read_ahead=0: every read)",
     "shuffle": "the shuffle buffer",
     "map": "the user's map= function",
     "tokenize": "chat template, tokenizer, labels and vision token counts",
