@@ -1,9 +1,14 @@
 """Benchmark: what the Loader's telemetry costs, whether its figures are true, and whether its
 advice names the right stage.
 
-    python scripts/bench_telemetry.py [--part overhead|truth|advice|all] [--samples N]
+    python scripts/bench_telemetry.py [--part cost|overhead|truth|advice|all] [--samples N]
         [--rounds R] [--ray] [--workdir DIR] [--json]
 
+- cost: what the telemetry adds, measured apart, since a 1% difference is below this
+  machine's noise between two runs of the same epoch: the stretches a worker times per sample
+  (counted in a trace of a whole epoch, 0 workers), what one timed stretch costs (a
+  ``StageClock`` over a million items, writing a real status board, against the bare loop),
+  and the pipeline's seconds per sample (the same epoch without telemetry).
 - overhead: samples/s of one epoch of ``wdsvlm.Loader`` (2 workers, the coco-sized mix of
   scripts/bench_pipeline.py, batches of 8 rows of 2048 tokens) with ``telemetry=True`` and
   ``telemetry=False``, alternating A B A B, best of ``--rounds`` each.
@@ -86,6 +91,45 @@ def overhead(folder: str, rounds: int) -> dict:
         "best_on": best_on,
         "best_off": best_off,
         "ratio": best_on / best_off,
+    }
+
+
+def cost(folder: str) -> dict:
+    from wdsvlm.loader.watchdog import StatusBoard
+    from wdsvlm.pipeline.timing import StageClock
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        telemetry = wdsvlm.Telemetry(trace=trace, trace_steps=10**6)
+        it = loader(folder, num_workers=0, telemetry=telemetry)
+        samples = epoch(it)[0]
+        it.close()
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+        stretches = sum(1 for e in events if e["ph"] == "X" and e.get("tid", 0) != 0)
+        board = StatusBoard.create(tmp, 1)
+        n = 10**6
+        start = time.perf_counter()
+        for _ in range(n):
+            pass
+        bare = time.perf_counter() - start
+        clock = StageClock(board, 0)
+        start = time.perf_counter()
+        for _ in clock.timed("read", range(n)):
+            pass
+        per_stretch = (time.perf_counter() - start - bare) / n
+        board.remove()
+    it = loader(folder, num_workers=0, telemetry=False)
+    began = time.perf_counter()
+    plain = epoch(it)[0]
+    per_sample = (time.perf_counter() - began) / plain
+    it.close()
+    added = stretches / samples * per_stretch
+    return {
+        "stretches_per_sample": stretches / samples,
+        "us_per_stretch": per_stretch * 1e6,
+        "ms_per_sample": per_sample * 1e3,
+        "share": added / per_sample,
     }
 
 
@@ -195,7 +239,9 @@ def advice(coco: str, web: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=("overhead", "truth", "advice", "all"), default="all")
+    parser.add_argument(
+        "--part", choices=("cost", "overhead", "truth", "advice", "all"), default="all"
+    )
     parser.add_argument("--samples", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--ray", action="store_true", help="truth on Ray workers too")
@@ -205,6 +251,13 @@ def main() -> None:
     os.makedirs(args.workdir, exist_ok=True)
     coco = bench_pipeline.make_mix("coco", args.samples, args.workdir)
     result: dict = {}
+    if args.part in ("cost", "all"):
+        c = result["cost"] = cost(coco)
+        print(
+            f"cost: {c['stretches_per_sample']:.1f} timed stretches a sample x "
+            f"{c['us_per_stretch']:.2f} us against {c['ms_per_sample']:.2f} ms a sample: "
+            f"{c['share']:.3%} of the pipeline's time"
+        )
     if args.part in ("overhead", "all"):
         print("overhead: samples/s with telemetry on and off, 2 workers", flush=True)
         result["overhead"] = overhead(coco, args.rounds)
