@@ -136,7 +136,7 @@ def test_stats_give_each_sources_requests_from_all_workers(store):
 
 def test_cache_hits_are_no_requests(store, tmp_path):
     """Through the shard cache, a range's first read asks the store for the shard's size and
-    its blocks; the same range read again asks nothing."""
+    its blocks; the same range read again asks nothing: it is counted as a cache hit."""
     index = wdsvlm.load_index(os.path.join(store, "coco"))
     shard = index["shards"][0]
     cache = ShardCache(str(tmp_path / "cache"))
@@ -151,6 +151,9 @@ def test_cache_hits_are_no_requests(store, tmp_path):
         assert (server.heads, server.gets) == (1, 1)
     assert first.as_dict() == {"requests": 2, "bytes": 2048, "throttled": 0, "retries": 0}
     assert again.as_dict() == {"requests": 0, "bytes": 0, "throttled": 0, "retries": 0}
+    # the telemetry's figures: the first read's requests took time, the second was a hit
+    assert (first.cache_hits, again.cache_hits) == (0, 1) and first.seconds > 0
+    assert again.figures() == {**again.as_dict(), "cache_hits": 1, "seconds": 0.0}
 
 
 def test_a_restarted_ray_workers_requests_add_to_its_predecessors():
