@@ -24,6 +24,7 @@ advice names the right stage.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -42,10 +43,12 @@ TOKENIZER = os.path.join(REPO, "shards_example", "tokenizer")
 MAP_SLEEP, STORE_DELAY, STEP = 0.020, 0.050, 0.030
 
 
-def sleepy_map(sample, rng):
-    """A map= of a known cost: 20 ms a sample; each call leaves one byte in $MAP_CALLS."""
+def sleepy_map(calls: str, sample, rng):
+    """A map= of a known cost: 20 ms a sample; each call leaves one byte in the file
+    ``calls`` (given with functools.partial: Ray's workers do not see this process's
+    environment)."""
     time.sleep(MAP_SLEEP)
-    with open(os.environ["MAP_CALLS"], "ab") as f:
+    with open(calls, "ab") as f:
         f.write(b".")
     return sample
 
@@ -137,15 +140,15 @@ def truth(folder: str, workers: int, ray: bool = False) -> dict:
     extra = {"workers": wdsvlm.RayWorkers()} if ray else {}
     out = {}
     with tempfile.TemporaryDirectory() as calls:
-        os.environ["MAP_CALLS"] = os.path.join(calls, "calls")
-        it = loader(folder, num_workers=workers, map=sleepy_map, **extra)
+        calls = os.path.join(calls, "calls")
+        it = loader(folder, num_workers=workers, map=functools.partial(sleepy_map, calls), **extra)
         try:
             it.metrics()  # the interval starts with the iteration
             epoch(it, limit=12)
             figures = it.metrics()
         finally:
             it.close()
-        mapped = os.path.getsize(os.environ["MAP_CALLS"])
+        mapped = os.path.getsize(calls)
     out["map"] = {"reported_s": figures["data/map_s"], "truth_s": mapped * MAP_SLEEP}
     # the store's own time a request, measured with no delay, is added to the injected 50 ms
     store = {delay: read_from_store(folder, delay, workers, extra) for delay in (0.0, STORE_DELAY)}
@@ -165,8 +168,9 @@ def truth(folder: str, workers: int, ray: bool = False) -> dict:
             start = time.perf_counter()
             time.sleep(STEP)
             del batch  # a step lets its batch go (freeing its pixels takes ~10 ms here)
-            stepped += time.perf_counter() - start
-        wall = time.perf_counter() - began
+            last = time.perf_counter()
+            stepped += last - start
+        wall = last - began  # to the last step's end: the epoch's end is no step's wait
         figures = it.metrics()
     finally:
         it.close()
@@ -180,11 +184,12 @@ def truth(folder: str, workers: int, ray: bool = False) -> dict:
 
 
 def read_from_store(folder: str, delay: float, workers: int, extra: dict) -> dict:
-    """12 batches read from the range server ``delay`` s late a request: requests reported
+    """12 batches read one span at a time (no reader thread competes with the decoding for
+    the interpreter) from the range server ``delay`` s late a request: requests reported
     and served, and the store seconds reported."""
     parent, name = os.path.split(folder.rstrip("/"))
     with range_server(parent, delay=delay) as server:
-        it = loader(f"{server.url}/{name}", num_workers=workers, read_ahead=4, **extra)
+        it = loader(f"{server.url}/{name}", num_workers=workers, read_ahead=0, **extra)
         try:
             it.metrics()
             before = server.requests
@@ -269,6 +274,7 @@ def main() -> None:
         if args.ray:
             import ray
 
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
             cases.append(("2 Ray workers", 2, True))
         for label, workers, on_ray in cases:
