@@ -178,6 +178,9 @@ def truth(folder: str, workers: int, ray: bool = False) -> dict:
         "reported_s": figures["data/step_s"],
         "truth_s": stepped,
         "wait_fraction": figures["data/wait_fraction"],
+        # the Loader's own work in this process (the batch's first touch of its shared
+        # memory, counting its tokens) is apart from the wait in the figures
+        "loader_share": figures["data/loader_s"] / wall,
         "wait_truth": 1 - stepped / wall,
     }
     return out
