@@ -392,3 +392,13 @@ def test_a_board_left_by_a_killed_training_process_is_removed_by_the_next(tmp_pa
     assert not left.exists() and recent.exists() and alive.exists()
     assert os.path.exists(board.path)
     board.remove()
+
+
+def test_the_wait_percentiles_are_nearest_rank():
+    from wdsvlm.loader.figures import quantile
+
+    assert quantile([0.3, 0.1], 0.95) == 0.3  # the 95th of two waits is the longer one
+    assert quantile([0.3, 0.1], 0.50) == 0.1
+    waits = [float(n) for n in range(20, 0, -1)]
+    assert (quantile(waits, 0.50), quantile(waits, 0.95)) == (10.0, 19.0)
+    assert quantile([], 0.5) == 0.0

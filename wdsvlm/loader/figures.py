@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from ..pipeline.timing import STAGES
 
 # a worker report's request figures (``skips["requests"][source]``) and their names here
@@ -63,9 +65,8 @@ def figures(
         "data/wait_mean_s": wait / steps if steps else 0.0,
     }
     if waits is not None:
-        ordered = sorted(waits)
-        out["data/wait_p50_s"] = quantile(ordered, 0.50)
-        out["data/wait_p95_s"] = quantile(ordered, 0.95)
+        out["data/wait_p50_s"] = quantile(waits, 0.50)
+        out["data/wait_p95_s"] = quantile(waits, 0.95)
         out["data/wait_max_s"] = max_wait
     out["data/loader_s"] = own
     out["data/step_s"] = step
@@ -86,8 +87,8 @@ def figures(
     return out
 
 
-def quantile(ordered: list[float], q: float) -> float:
-    """The nearest-rank ``q`` quantile of ``ordered`` (0 if empty)."""
-    if not ordered:
+def quantile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile of ``values`` (0 if empty)."""
+    if not values:
         return 0.0
-    return ordered[min(len(ordered) - 1, max(0, -int(-q * len(ordered)) - 1))]
+    return float(np.quantile(values, q, method="inverted_cdf"))
